@@ -1,0 +1,166 @@
+"""Which implementations exist for each public op, and how a call picks one.
+
+The table is data: ``IMPLEMENTATIONS[op][impl]`` is a ``"module:function"`` path imported on
+first use, so native packages and Triton are only imported when a call needs them. Every
+implementation function takes the public op's parameters (without ``impl``), already validated.
+
+``impl="auto"`` is resolved by :func:`nsa_backend.routing.select_impl` from the device, the shape
+and the user's configuration; an explicit name is checked against the same capability table.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nsa_backend import envs
+
+IMPL_NAMES: tuple[str, ...] = ("auto", "reference", "triton", "deep_gemm", "flash_mla", "flashinfer")
+
+_REF = "nsa_backend.reference"
+_IDX = "nsa_backend.kernels.indexer"
+_TOPK = "nsa_backend.kernels.topk"
+_PREFILL = "nsa_backend.kernels.sparse_mla_prefill"
+_DECODE = "nsa_backend.kernels.sparse_mla_decode"
+_DSMLA = "nsa_backend.kernels.fp8_ds_mla"
+_MHC = "nsa_backend.kernels.mhc"
+_DG = "nsa_backend.native.deep_gemm"
+_FMLA = "nsa_backend.native.flash_mla"
+_FI = "nsa_backend.native.flashinfer"
+
+IMPLEMENTATIONS: dict[str, dict[str, str]] = {
+    # Lightning indexer
+    "fp8_mqa_logits": {
+        "reference": f"{_REF}:fp8_mqa_logits",
+        "triton": f"{_IDX}:fp8_mqa_logits_triton",
+        "deep_gemm": f"{_DG}:fp8_mqa_logits",
+    },
+    "get_paged_mqa_logits_metadata": {
+        "reference": f"{_REF}:get_paged_mqa_logits_metadata",
+        "triton": f"{_IDX}:get_paged_mqa_logits_metadata_triton",
+        "deep_gemm": f"{_DG}:get_paged_mqa_logits_metadata",
+    },
+    "fp8_paged_mqa_logits": {
+        "reference": f"{_REF}:fp8_paged_mqa_logits",
+        "triton": f"{_IDX}:fp8_paged_mqa_logits_triton",
+        "deep_gemm": f"{_DG}:fp8_paged_mqa_logits",
+    },
+    "pack_indexer_k_cache": {
+        "reference": f"{_REF}:pack_indexer_k_cache",
+    },
+    # Top-k selection
+    "topk_indices": {
+        "reference": f"{_REF}:topk_indices",
+        "triton": f"{_TOPK}:topk_indices_triton",
+    },
+    "logical_to_global_indices": {
+        "reference": f"{_REF}:logical_to_global_indices",
+        "triton": f"{_TOPK}:logical_to_global_indices_triton",
+    },
+    # Sparse MLA
+    "flash_mla_sparse_fwd": {
+        "reference": f"{_REF}:flash_mla_sparse_fwd",
+        "triton": f"{_PREFILL}:flash_mla_sparse_fwd_triton",
+        "flash_mla": f"{_FMLA}:flash_mla_sparse_fwd",
+    },
+    "sparse_mla_decode": {
+        "reference": f"{_REF}:sparse_mla_decode",
+        "triton": f"{_DECODE}:sparse_mla_decode_triton",
+        "flash_mla": f"{_FMLA}:sparse_mla_decode",
+        "flashinfer": f"{_FI}:sparse_mla_decode",
+    },
+    "pack_fp8_ds_mla": {
+        "reference": f"{_REF}:pack_fp8_ds_mla",
+        "triton": f"{_DSMLA}:pack_fp8_ds_mla_triton",
+    },
+    "unpack_fp8_ds_mla": {
+        "reference": f"{_REF}:unpack_fp8_ds_mla",
+    },
+    "write_fp8_ds_mla_cache": {
+        "reference": f"{_REF}:write_fp8_ds_mla_cache",
+        "triton": f"{_DSMLA}:write_fp8_ds_mla_cache_triton",
+    },
+    # mHC
+    "tf32_hc_prenorm_gemm": {
+        "reference": f"{_REF}:tf32_hc_prenorm_gemm",
+        "triton": f"{_MHC}:tf32_hc_prenorm_gemm_triton",
+        "deep_gemm": f"{_DG}:tf32_hc_prenorm_gemm",
+    },
+}
+
+# Config/env key that governs each op.
+OP_FAMILY: dict[str, str] = {
+    "fp8_mqa_logits": "indexer",
+    "get_paged_mqa_logits_metadata": "indexer",
+    "fp8_paged_mqa_logits": "indexer",
+    "pack_indexer_k_cache": "indexer",
+    "topk_indices": "topk",
+    "logical_to_global_indices": "topk",
+    "flash_mla_sparse_fwd": "prefill",
+    "sparse_mla_decode": "decode",
+    "pack_fp8_ds_mla": "decode",
+    "unpack_fp8_ds_mla": "decode",
+    "write_fp8_ds_mla_cache": "decode",
+    "tf32_hc_prenorm_gemm": "hc_prenorm",
+}
+
+
+def available_impls(op: str) -> list[str]:
+    """Implementation names whose module is present in this installation (not necessarily usable)."""
+    return [name for name, path in IMPLEMENTATIONS[op].items() if _module_present(path.split(":")[0])]
+
+
+@functools.cache
+def _module_present(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def get_impl(op: str, impl: str) -> Callable[..., Any]:
+    """The function implementing ``op`` with ``impl`` (imported on first use)."""
+    module, func = IMPLEMENTATIONS[op][impl].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _fallback_select(op: str, requested: str, features: dict[str, Any]) -> str:
+    """Selection used when the routing package is not importable: Triton on GPU, reference on CPU."""
+    if requested != "auto":
+        return requested
+    device: torch.device = features["device"]
+    if device.type == "cuda" and "triton" in available_impls(op):
+        return "triton"
+    return "reference"
+
+
+def resolve_impl(op: str, impl: str, features: dict[str, Any]) -> str:
+    """Validate ``impl`` for ``op`` and resolve ``"auto"`` to a concrete implementation name.
+
+    ``features`` carries ``device`` plus the shape features the capability table looks at.
+    """
+    if not isinstance(impl, str):
+        raise TypeError(f"impl: expected a str, one of {list(IMPL_NAMES)}, got {type(impl).__name__}")
+    if impl not in IMPL_NAMES:
+        raise ValueError(f"impl: expected one of {list(IMPL_NAMES)}, got {impl!r}")
+    if impl != "auto" and impl not in IMPLEMENTATIONS[op]:
+        raise ValueError(f"impl: {op} has no {impl!r} implementation; available: "
+                         f"{['auto', *IMPLEMENTATIONS[op]]}")
+    try:
+        from nsa_backend.routing import select_impl
+    except ImportError:
+        select_impl = _fallback_select
+    chosen = select_impl(op, impl, features)
+    if chosen == "triton":
+        device: torch.device = features["device"]
+        if device.type != "cuda" and not envs.triton_interpret():
+            raise ValueError(f"impl: 'triton' for {op} needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+                             f"interpreter), got tensors on {device}")
+        if not _module_present(IMPLEMENTATIONS[op]["triton"].split(":")[0]):
+            raise ValueError(f"impl: {op} has no Triton kernel in this installation")
+    return chosen

@@ -1,0 +1,42 @@
+"""Environment variables read by nsa-backend, all prefixed ``NSA_BACKEND_``.
+
+| variable | type | default | meaning |
+|---|---|---|---|
+| NSA_BACKEND_CONFIG | path | unset | TOML config file (see docs/config.md) |
+| NSA_BACKEND_FORCE_ARCH | str | unset | route as if the GPU were this arch family (e.g. ``sm120``) |
+| NSA_BACKEND_LOG_LEVEL | str | ``WARNING`` | log level of the ``nsa_backend`` logger |
+| NSA_BACKEND_INDEXER | str | unset | implementation for the indexer ops |
+| NSA_BACKEND_TOPK | str | unset | implementation for top-k and index translation |
+| NSA_BACKEND_PREFILL | str | unset | implementation for sparse MLA prefill |
+| NSA_BACKEND_DECODE | str | unset | implementation for sparse MLA decode |
+| NSA_BACKEND_HC_PRENORM | str | unset | implementation for the mHC pre-norm GEMM |
+| NSA_BACKEND_CACHE | path | ``~/.cache/nsa-backend`` | where the test scripts keep their virtual environments |
+"""
+
+from __future__ import annotations
+
+import os
+
+CONFIG = "NSA_BACKEND_CONFIG"
+FORCE_ARCH = "NSA_BACKEND_FORCE_ARCH"
+LOG_LEVEL = "NSA_BACKEND_LOG_LEVEL"
+CACHE = "NSA_BACKEND_CACHE"
+# One override per op family; the family names are the config-file keys.
+FAMILY_VARS: dict[str, str] = {
+    "indexer": "NSA_BACKEND_INDEXER",
+    "topk": "NSA_BACKEND_TOPK",
+    "prefill": "NSA_BACKEND_PREFILL",
+    "decode": "NSA_BACKEND_DECODE",
+    "hc_prenorm": "NSA_BACKEND_HC_PRENORM",
+}
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """Value of an environment variable, with empty strings treated as unset."""
+    value = os.environ.get(name)
+    return value if value else default
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

@@ -1,0 +1,410 @@
+"""Plain-PyTorch reference implementations: the ground truth of every kernel test.
+
+Each function has the name and signature of the public op (without ``impl``) and follows the
+semantics in ``docs/ops.md``. They run on CPU and GPU, accumulate in float32 and favour clarity
+over speed; large inputs are processed in chunks so memory stays bounded.
+
+Inputs are assumed valid: the public ops in ``nsa_backend`` validate before calling here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Smallest amax used to derive a quantisation scale, so all-zero groups get a finite scale.
+AMAX_FLOOR = 1e-4
+# Row segment length of the paged-logits schedule (four 64-token pages).
+PAGED_SCHEDULE_SPLIT_KV = 256
+# fp8_ds_mla token layout: 512 e4m3 latent values, 4 fp32 scales, 64 bf16 rope values.
+DS_MLA_NOPE_DIM = 512
+DS_MLA_ROPE_DIM = 64
+DS_MLA_GROUP = 128
+DS_MLA_TOKEN_BYTES = DS_MLA_NOPE_DIM + 4 * (DS_MLA_NOPE_DIM // DS_MLA_GROUP) + 2 * DS_MLA_ROPE_DIM  # 656
+# Element budget of one chunk of intermediate scores.
+_CHUNK_ELEMS = 1 << 24
+
+
+# ----------------------------------------------------------------------------------------------
+# Lightning indexer
+# ----------------------------------------------------------------------------------------------
+
+def _indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_h relu(q[s, h] . k[n]) * weights[s, h] -> [S, N] float32 (k scale not applied)."""
+    qf = q.float()  # [S, H, D]
+    kf = k.float()  # [N, D]
+    w = weights.float()  # [S, H]
+    S, H, _ = qf.shape
+    N = kf.shape[0]
+    out = torch.empty(S, N, dtype=torch.float32, device=q.device)
+    step = max(1, _CHUNK_ELEMS // max(1, S * H))
+    for n0 in range(0, N, step):
+        s = torch.einsum("shd,nd->shn", qf, kf[n0:n0 + step]).relu_()  # [S, H, n]
+        out[:, n0:n0 + step] = torch.einsum("shn,sh->sn", s, w)
+    return out
+
+
+def fp8_mqa_logits(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+) -> torch.Tensor:
+    k, k_scale = kv
+    S = q.shape[0]
+    N = k.shape[0]
+    logits = _indexer_scores(q, k, weights) * k_scale.float()[None, :]  # [S, N]
+    ks = cu_seq_len_k_start.long()[:, None]
+    ke = cu_seq_len_k_end.long()[:, None]
+    cols = torch.arange(N, device=q.device)[None, :]
+    logits.masked_fill_((cols < ks) | (cols >= ke), float("-inf"))
+    if max_seqlen_k <= 0:
+        return logits
+    j = torch.arange(max_seqlen_k, device=q.device)[None, :]
+    src = ks + j  # [S, max_seqlen_k]
+    valid = (src < ke) & (src < N)
+    out = torch.full((S, max_seqlen_k), float("-inf"), dtype=torch.float32, device=q.device)
+    gathered = torch.gather(logits, 1, src.clamp(max=max(N - 1, 0))) if N > 0 else out
+    return torch.where(valid, gathered, out)
+
+
+def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num_sms: int) -> torch.Tensor:
+    """Even split of every request's context, in segments of 256 keys, over ``num_sms`` workers.
+
+    Entry ``w`` holds ``(request, segment)`` where worker ``w`` starts; entry ``num_sms`` holds the
+    end sentinel ``(B, 0)``. A 2-D ``context_lens`` uses each request's longest row.
+    """
+    lens = context_lens.long()
+    if lens.dim() == 2:
+        lens = lens.max(dim=1).values if lens.shape[1] > 0 else lens.new_zeros(lens.shape[0])
+    B = lens.shape[0]
+    segs = (lens.clamp(min=0) + PAGED_SCHEDULE_SPLIT_KV - 1) // PAGED_SCHEDULE_SPLIT_KV  # [B]
+    total = int(segs.sum())
+    per, rem = divmod(total, num_sms)
+    cum = torch.cumsum(segs, 0)  # inclusive prefix
+    out = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
+    for w in range(num_sms + 1):
+        start = w * per + min(w, rem)
+        if start >= total:
+            out[w, 0], out[w, 1] = B, 0
+            continue
+        b = int(torch.searchsorted(cum, torch.tensor(start, device=cum.device), right=True))
+        prev = int(cum[b - 1]) if b > 0 else 0
+        out[w, 0], out[w, 1] = b, start - prev
+    return out
+
+
+def _paged_visible_lengths(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """Number of visible keys per query row, [B * next_n] int64, for both context_lens forms."""
+    lens = context_lens.long()
+    if lens.dim() == 2:
+        return lens.reshape(-1)
+    # 1-D: row j of request b is the query at position L - next_n + j and sees keys t <= that.
+    j = torch.arange(next_n, device=lens.device)
+    return (lens[:, None] - next_n + j[None, :] + 1).clamp(min=0).reshape(-1)
+
+
+def unpack_indexer_k_cache(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a paged indexer cache into (values [P, block_kv, D] e4m3, scales [P, block_kv] f32)."""
+    P, block_kv = kv_cache.shape[0], kv_cache.shape[1]
+    flat = kv_cache.reshape(P, -1)[:, : block_kv * (head_dim + 4)]
+    values = flat[:, : block_kv * head_dim].contiguous().view(FP8).view(P, block_kv, head_dim)
+    scales = flat[:, block_kv * head_dim:].contiguous().view(torch.float32).view(P, block_kv)
+    return values, scales
+
+
+def fp8_paged_mqa_logits(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    clean_logits: bool = False,
+) -> torch.Tensor:
+    B, next_n, H, D = q.shape
+    block_kv = kv_cache.shape[1]
+    num_pages = kv_cache.shape[0]
+    values, scales = unpack_indexer_k_cache(kv_cache, D)
+    visible = _paged_visible_lengths(context_lens, next_n)  # [B * next_n]
+    out = torch.full((B * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=q.device)
+    q_rows = q.reshape(B, next_n, H, D)
+    w_rows = weights.reshape(B, next_n, H)
+    for b in range(B):
+        n_keys = min(int(visible[b * next_n: (b + 1) * next_n].max()), max_context_len) if next_n else 0
+        if n_keys <= 0:
+            continue
+        n_pages = min((n_keys + block_kv - 1) // block_kv, block_table.shape[1])
+        n_keys = min(n_keys, n_pages * block_kv)
+        pages = block_table[b, :n_pages].long()
+        # A page id outside the cache is treated as holding no visible key.
+        bad_page = ((pages < 0) | (pages >= num_pages)).repeat_interleave(block_kv)[:n_keys]
+        pages = pages.clamp(0, max(num_pages - 1, 0))
+        k = values[pages].reshape(-1, D)[:n_keys]  # [n_keys, D]
+        ks = scales[pages].reshape(-1)[:n_keys]
+        logits = _indexer_scores(q_rows[b], k, w_rows[b]) * ks[None, :]  # [next_n, n_keys]
+        t = torch.arange(n_keys, device=q.device)[None, :]
+        vis = visible[b * next_n: (b + 1) * next_n, None]
+        hidden = (t >= vis) | bad_page[None, :]
+        out[b * next_n: (b + 1) * next_n, :n_keys] = logits.masked_fill(hidden, float("-inf"))
+    return out
+
+
+def pack_indexer_k_cache(k, block_kv: int = 64) -> torch.Tensor:
+    if isinstance(k, (tuple, list)):
+        k_fp8, k_scale = k
+        k_scale = k_scale.float()
+    else:
+        kf = k.float()
+        k_scale = kf.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+        k_fp8 = (kf / k_scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    N, D = k_fp8.shape
+    P = (N + block_kv - 1) // block_kv
+    values = torch.zeros(P * block_kv, D, dtype=torch.uint8, device=k_fp8.device)
+    scales = torch.zeros(P * block_kv, dtype=torch.float32, device=k_fp8.device)
+    values[:N] = k_fp8.view(torch.uint8)
+    scales[:N] = k_scale
+    page_values = values.view(P, block_kv * D)
+    page_scales = scales.view(P, block_kv).view(torch.uint8).view(P, block_kv * 4)
+    return torch.cat([page_values, page_scales], dim=1).view(P, block_kv, 1, D + 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Top-k
+# ----------------------------------------------------------------------------------------------
+
+def topk_indices(
+    logits: torch.Tensor,
+    topk: int,
+    starts: torch.Tensor | None = None,
+    ends: torch.Tensor | None = None,
+) -> torch.Tensor:
+    R, N = logits.shape
+    dev = logits.device
+    lo = starts.long() if starts is not None else torch.zeros(R, dtype=torch.long, device=dev)
+    hi = ends.long().clamp(max=N) if ends is not None else torch.full((R,), N, dtype=torch.long, device=dev)
+    cols = torch.arange(N, device=dev)[None, :]
+    valid = (cols >= lo[:, None]) & (cols < hi[:, None])  # [R, N]
+    # Invalid columns rank below every valid one, -inf included: key order is (valid, logit).
+    keyed = torch.where(valid, logits.float(), torch.full_like(logits, float("-inf"), dtype=torch.float32))
+    k_eff = min(topk, N)
+    out = torch.full((R, topk), -1, dtype=torch.int32, device=dev)
+    if k_eff == 0:
+        return out
+    # Sort by (valid desc, logit desc); stable so equal logits keep column order.
+    order = torch.sort(keyed, dim=1, descending=True, stable=True).indices
+    vsorted = torch.gather(valid, 1, order)
+    order = torch.gather(order, 1, torch.sort(vsorted.int(), dim=1, descending=True, stable=True).indices)
+    top = order[:, :k_eff]
+    n_valid = valid.sum(dim=1, keepdim=True)
+    rank = torch.arange(k_eff, device=dev)[None, :]
+    out[:, :k_eff] = torch.where(rank < n_valid, top, torch.full_like(top, -1)).int()
+    return out
+
+
+def logical_to_global_indices(
+    indices: torch.Tensor,
+    block_table: torch.Tensor,
+    req_ids: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
+    pos = indices.long()
+    max_pages = block_table.shape[1]
+    page = torch.div(pos, page_size, rounding_mode="floor")
+    ok = (pos >= 0) & (page < max_pages)
+    req = req_ids.long()
+    ok = ok & ((req >= 0) & (req < block_table.shape[0]))[:, None]
+    rows = block_table[req.clamp(0, max(block_table.shape[0] - 1, 0))].long()  # [R, M]
+    block = torch.gather(rows, 1, page.clamp(0, max(max_pages - 1, 0))) if max_pages else page
+    slot = block * page_size + pos % page_size
+    ok = ok & (block >= 0)
+    return torch.where(ok, slot, torch.full_like(slot, -1)).int()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparse MLA
+# ----------------------------------------------------------------------------------------------
+
+def _sparse_attention(
+    q: torch.Tensor,  # [T, h, d_qk] (any float)
+    k_rows: torch.Tensor,  # [T, topk, d_qk] float32 gathered keys
+    valid: torch.Tensor,  # [T, topk] bool
+    sm_scale: float,
+    d_v: int,
+    attn_sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of each query row over its own gathered keys; returns fp32 (out, max_logits, lse)."""
+    T, h, _ = q.shape
+    out = torch.empty(T, h, d_v, dtype=torch.float32, device=q.device)
+    lse = torch.empty(T, h, dtype=torch.float32, device=q.device)
+    mx = torch.empty(T, h, dtype=torch.float32, device=q.device)
+    step = max(1, _CHUNK_ELEMS // max(1, h * k_rows.shape[1]))
+    for t0 in range(0, T, step):
+        sl = slice(t0, t0 + step)
+        p = torch.einsum("thd,tkd->thk", q[sl].float(), k_rows[sl]) * sm_scale  # [t, h, topk]
+        p = p.masked_fill(~valid[sl, None, :], float("-inf"))
+        m = p.amax(dim=-1)  # [t, h]
+        l_ = torch.logsumexp(p, dim=-1)  # -inf when no valid key
+        w = torch.exp(p - torch.where(torch.isinf(l_), torch.zeros_like(l_), l_)[..., None])
+        o = torch.einsum("thk,tkd->thd", w, k_rows[sl, :, :d_v])
+        empty = torch.isinf(l_)
+        o = o.masked_fill(empty[..., None], 0.0)
+        if attn_sink is not None:
+            sink = attn_sink.float()[None, :]
+            o = o * torch.sigmoid(l_ - sink)[..., None]  # exp(l)/(exp(l)+exp(s))
+            o = o.masked_fill(empty[..., None], 0.0)
+        out[sl] = o
+        lse[sl] = torch.where(empty, torch.full_like(l_, float("inf")), l_)
+        mx[sl] = m
+    return out, mx, lse
+
+
+def _topk_valid(indices: torch.Tensor, limit: int, topk_length: torch.Tensor | None) -> torch.Tensor:
+    """indices [T, topk] -> bool mask of usable entries (in range and inside topk_length)."""
+    valid = (indices >= 0) & (indices < limit)
+    if topk_length is not None:
+        rank = torch.arange(indices.shape[-1], device=indices.device)[None, :]
+        valid &= rank < topk_length.long()[:, None]
+    return valid
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    s_kv = kv.shape[0]
+    idx = indices[:, 0, :].long()  # [s_q, topk]
+    valid = _topk_valid(idx, s_kv, topk_length)
+    k_rows = kv[:, 0, :].float()[idx.clamp(0, max(s_kv - 1, 0))] if s_kv else \
+        torch.zeros(*idx.shape, q.shape[-1], device=q.device)
+    out, mx, lse = _sparse_attention(q, k_rows, valid, sm_scale, d_v, attn_sink)
+    return out.to(torch.bfloat16), mx, lse
+
+
+def unpack_fp8_ds_mla(packed: torch.Tensor) -> torch.Tensor:
+    flat = packed.reshape(-1, DS_MLA_TOKEN_BYTES)
+    N = flat.shape[0]
+    nope = flat[:, :DS_MLA_NOPE_DIM].contiguous().view(FP8).float()  # [N, 512]
+    scales = flat[:, DS_MLA_NOPE_DIM:DS_MLA_NOPE_DIM + 16].contiguous().view(torch.float32)  # [N, 4]
+    nope = (nope.view(N, -1, DS_MLA_GROUP) * scales[:, :, None]).view(N, DS_MLA_NOPE_DIM)
+    rope = flat[:, DS_MLA_NOPE_DIM + 16:].contiguous().view(torch.bfloat16).float()  # [N, 64]
+    return torch.cat([nope, rope], dim=1).to(torch.bfloat16)
+
+
+def ds_mla_scales(amax: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """Per-group dequantisation scale from the group's absolute maximum."""
+    scale = amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX
+    if scale_format == "pow2":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return scale
+
+
+def pack_fp8_ds_mla(kv: torch.Tensor, scale_format: str = "arbitrary") -> torch.Tensor:
+    N = kv.shape[0]
+    x = kv.float()
+    nope = x[:, :DS_MLA_NOPE_DIM].view(N, -1, DS_MLA_GROUP)  # [N, 4, 128]
+    scale = ds_mla_scales(nope.abs().amax(dim=-1), scale_format)  # [N, 4]
+    q8 = (nope / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(N, DS_MLA_NOPE_DIM)
+    rope = kv[:, DS_MLA_NOPE_DIM:].to(torch.bfloat16).contiguous()
+    return torch.cat([q8.view(torch.uint8), scale.contiguous().view(torch.uint8).view(N, 16),
+                      rope.view(torch.uint8).view(N, 2 * DS_MLA_ROPE_DIM)], dim=1)
+
+
+def write_fp8_ds_mla_cache(
+    kv: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale_format: str = "arbitrary",
+) -> None:
+    packed = pack_fp8_ds_mla(kv, scale_format)  # [T, 656]
+    num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+    pages = kv_cache.view(num_blocks, page, DS_MLA_TOKEN_BYTES)  # pages may be spaced apart
+    slots = slot_mapping.long()
+    keep = (slots >= 0) & (slots < num_blocks * page)
+    slots = slots[keep]
+    pages[slots // page, slots % page] = packed[keep]
+
+
+def _gather_cache_rows(kv_cache: torch.Tensor, kv_format: str, slots: torch.Tensor, d_qk: int) -> torch.Tensor:
+    """Dequantised keys for global slots (clamped into range) -> float32 [..., d_qk]."""
+    if kv_format == "fp8_ds_mla":
+        flat = kv_cache.reshape(-1, DS_MLA_TOKEN_BYTES)
+        rows = flat[slots.reshape(-1)]
+        return unpack_fp8_ds_mla(rows).float().view(*slots.shape, d_qk)
+    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    return flat[slots.reshape(-1)].float().view(*slots.shape, d_qk)
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    kv_format: str = "fp8_ds_mla",
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, s_q, h_q, d_qk = q.shape
+    topk = indices.shape[-1]
+    n_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    idx = indices.reshape(B * s_q, topk).long()
+    tl_rows = topk_length.long().repeat_interleave(s_q) if topk_length is not None else None
+    valid = _topk_valid(idx, n_slots, tl_rows)
+    out = torch.empty(B * s_q, h_q, d_v, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B * s_q, h_q, dtype=torch.float32, device=q.device)
+    qr = q.reshape(B * s_q, h_q, d_qk)
+    step = max(1, _CHUNK_ELEMS // max(1, topk * d_qk))
+    for r0 in range(0, B * s_q, step):
+        sl = slice(r0, r0 + step)
+        k_rows = _gather_cache_rows(kv_cache, kv_format, idx[sl].clamp(0, max(n_slots - 1, 0)), d_qk)
+        o, _, l_ = _sparse_attention(qr[sl], k_rows, valid[sl], sm_scale, d_v, attn_sink)
+        out[sl], lse[sl] = o, l_
+    out = out.view(B, s_q, h_q, d_v).to(torch.bfloat16)
+    lse = lse.view(B, s_q, h_q).transpose(1, 2).contiguous()  # [B, h_q, s_q]
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# mHC pre-norm GEMM
+# ----------------------------------------------------------------------------------------------
+
+def tf32_hc_prenorm_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    d: torch.Tensor,
+    sqr_sum: torch.Tensor,
+    num_splits: int | None = None,
+) -> None:
+    """fp32 (not TF32) reference: d = a @ b.T, sqr_sum = sum(a^2); split over K when d is 3-D."""
+    K = a.shape[1]
+    af = a.float()
+    bf = b.float()
+    if d.dim() == 2:
+        d.copy_(af @ bf.T)
+        sqr_sum.copy_((af * af).sum(-1))
+        return
+    S = d.shape[0]
+    bounds = split_bounds(K, S)
+    for s, (k0, k1) in enumerate(bounds):
+        d[s].copy_(af[:, k0:k1] @ bf[:, k0:k1].T)
+        sqr_sum[s].copy_((af[:, k0:k1] ** 2).sum(-1))
+
+
+def split_bounds(K: int, num_splits: int, align: int = 64) -> list[tuple[int, int]]:
+    """Partition [0, K) into ``num_splits`` contiguous ranges of whole ``align``-wide blocks."""
+    blocks = K // align
+    per = math.ceil(blocks / num_splits)
+    return [(min(s * per, blocks) * align, min((s + 1) * per, blocks) * align) for s in range(num_splits)]

@@ -1,0 +1,217 @@
+"""Sparse MLA attention: prefill over a bf16 latent KV sequence and decode over a paged KV cache.
+
+Signatures and semantics match FlashMLA's ``flash_mla_sparse_fwd`` (prefill) and its sparse
+``flash_mla_with_kvcache`` path (decode). Dimensions: s_q query rows, h_q query heads (1..128),
+d_qk 576 (512 latent + 64 rope) or 512, d_v 512, topk selected keys per row, B requests.
+
+FP8 KV cache "fp8_ds_mla" (656 bytes per token): bytes [0, 512) hold 512 e4m3 latent values,
+[512, 528) four fp32 scales (one per 128 values), [528, 656) the 64 bf16 rope values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_backend._checks import check_choice, check_float, check_int, check_tensor
+from nsa_backend._dispatch import get_impl, resolve_impl
+from nsa_backend.reference import DS_MLA_TOKEN_BYTES
+
+D_QK_CHOICES = (512, 576)
+D_V_CHOICES = (512,)
+MAX_HEADS = 128
+MAX_DECODE_S_Q = 16
+KV_FORMATS = ("fp8_ds_mla", "bf16")
+
+
+def _check_common(h_q: int, d_qk: int, d_v: int, topk: int) -> None:
+    check_int(h_q, "q heads (h_q)", min_value=1, max_value=MAX_HEADS)
+    check_int(d_qk, "q head dim (d_qk)", choices=D_QK_CHOICES)
+    check_int(d_v, "d_v", choices=D_V_CHOICES)
+    check_int(topk, "indices.shape[-1] (topk)", min_value=1)
+
+
+@torch.library.custom_op("nsa_backend::flash_mla_sparse_fwd", mutates_args=())
+def _sparse_fwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+                   attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
+                   impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, max_logits, lse = get_impl("flash_mla_sparse_fwd", impl)(q, kv, indices, sm_scale, d_v, attn_sink,
+                                                                  topk_length)
+    return out.contiguous(), max_logits.contiguous(), lse.contiguous()
+
+
+@_sparse_fwd_op.register_fake
+def _(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, impl):
+    s_q, h_q, _ = q.shape
+    return (q.new_empty((s_q, h_q, d_v), dtype=torch.bfloat16), q.new_empty((s_q, h_q), dtype=torch.float32),
+            q.new_empty((s_q, h_q), dtype=torch.float32))
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Sparse MLA prefill: every query row attends to its own ``topk`` selected keys.
+
+    .. math::
+        P = (q K_I^T) \cdot sm\_scale, \quad out = \text{softmax}(P) V_I, \quad lse = \log \sum e^{P}
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[s_q, h_q, d_qk]`` ``bfloat16``; ``h_q`` in 1..128, ``d_qk`` in {512, 576}.
+    kv : torch.Tensor
+        ``[s_kv, 1, d_qk]`` ``bfloat16`` (one latent head; ``[s_kv, d_qk]`` is accepted too).
+        ``V`` is the first ``d_v`` dims.
+    indices : torch.Tensor
+        ``[s_q, 1, topk]`` ``int32`` (or ``[s_q, topk]``); ``-1`` and values ``>= s_kv`` are skipped.
+    sm_scale : float
+        Softmax scale applied to ``q . k``.
+    d_v : int
+        Value head dim (512).
+    attn_sink : torch.Tensor, optional
+        ``[h_q]`` ``float32``: ``out *= exp(lse) / (exp(lse) + exp(sink))``; ``lse`` unchanged.
+    topk_length : torch.Tensor, optional
+        ``[s_q]`` ``int32``: only the first ``topk_length[i]`` indices of row ``i`` count.
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``[s_q, h_q, d_v]`` ``bfloat16``; zero for rows without a valid index.
+    max_logits : torch.Tensor
+        ``[s_q, h_q]`` ``float32``, the largest scaled logit (``-inf`` for empty rows).
+    lse : torch.Tensor
+        ``[s_q, h_q]`` ``float32`` natural-log sum-exp (``+inf`` for empty rows).
+    """
+    dims: dict[str, int] = {}
+    check_tensor(q, "q", dtype=torch.bfloat16, shape=("s_q", "h_q", "d_qk"), dims=dims)
+    dev = q.device
+    check_tensor(kv, "kv", dtype=torch.bfloat16, ndim=(2, 3), device=dev)
+    if kv.dim() == 2:
+        kv = kv.unsqueeze(1)
+    check_tensor(kv, "kv", shape=("s_kv", 1, "d_qk"), dims=dims)
+    check_tensor(indices, "indices", dtype=torch.int32, ndim=(2, 3), device=dev)
+    if indices.dim() == 2:
+        indices = indices.unsqueeze(1)
+    check_tensor(indices, "indices", shape=("s_q", 1, "topk"), dims=dims)
+    check_float(sm_scale, "sm_scale", positive=True)
+    _check_common(dims["h_q"], dims["d_qk"], d_v, dims["topk"])
+    if attn_sink is not None:
+        check_tensor(attn_sink, "attn_sink", dtype=torch.float32, shape=("h_q",), dims=dims, device=dev)
+        attn_sink = attn_sink.contiguous()
+    if topk_length is not None:
+        check_tensor(topk_length, "topk_length", dtype=torch.int32, shape=("s_q",), dims=dims, device=dev)
+        topk_length = topk_length.contiguous()
+    name = resolve_impl("flash_mla_sparse_fwd", impl, {"device": dev, "num_heads": dims["h_q"], "d_qk": dims["d_qk"],
+                                                       "topk": dims["topk"]})
+    return _sparse_fwd_op(q.contiguous(), kv.contiguous(), indices.contiguous(), float(sm_scale), d_v, attn_sink,
+                          topk_length, name)
+
+
+@torch.library.custom_op("nsa_backend::sparse_mla_decode", mutates_args=())
+def _sparse_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+                      kv_format: str, attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
+                      impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = get_impl("sparse_mla_decode", impl)(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
+                                                   topk_length)
+    return out.contiguous(), lse.contiguous()
+
+
+@_sparse_decode_op.register_fake
+def _(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length, impl):
+    B, s_q, h_q, _ = q.shape
+    return q.new_empty((B, s_q, h_q, d_v), dtype=torch.bfloat16), q.new_empty((B, h_q, s_q), dtype=torch.float32)
+
+
+def _check_paged_cache(kv_cache: torch.Tensor, kv_format: str, d_qk: int, device: torch.device) -> torch.Tensor:
+    """Validate a paged sparse-MLA cache and return its 4-D ``[num_blocks, page, 1, width]`` view."""
+    if kv_format == "fp8_ds_mla":
+        check_tensor(kv_cache, "kv_cache", dtype=torch.uint8, ndim=(3, 4), device=device)
+        if kv_cache.dim() == 3:
+            kv_cache = kv_cache.unsqueeze(2)
+        if kv_cache.shape[2] != 1 or kv_cache.shape[3] != DS_MLA_TOKEN_BYTES:
+            raise ValueError(f"kv_cache: expected fp8_ds_mla shape [num_blocks, page_size, (1,) "
+                             f"{DS_MLA_TOKEN_BYTES}], got {tuple(kv_cache.shape)}")
+        if d_qk != 576:
+            raise ValueError(f"q: kv_format 'fp8_ds_mla' stores 576-dim tokens, expected q head dim 576, got {d_qk}")
+    else:
+        check_tensor(kv_cache, "kv_cache", dtype=torch.bfloat16, ndim=4, device=device)
+        if kv_cache.shape[2] != 1 or kv_cache.shape[3] != d_qk:
+            raise ValueError(f"kv_cache: expected bf16 shape [num_blocks, page_size, 1, d_qk={d_qk}], "
+                             f"got {tuple(kv_cache.shape)}")
+    width = kv_cache.shape[3]
+    if kv_cache.stride(3) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) < kv_cache.shape[1] * width:
+        raise ValueError(f"kv_cache: expected each page to be contiguous (strides [>= page_size * {width}, {width}, "
+                         f"*, 1]), got strides {tuple(kv_cache.stride())}")
+    return kv_cache
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    kv_format: str = "fp8_ds_mla",
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode over a paged KV cache addressed by global slots.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, s_q, h_q, d_qk]`` ``bfloat16``; ``s_q`` in 1..16 (1, or 2-4 with MTP).
+    kv_cache : torch.Tensor
+        ``kv_format="fp8_ds_mla"``: ``uint8`` ``[num_blocks, page_size, 656]`` or
+        ``[num_blocks, page_size, 1, 656]`` (needs ``d_qk = 576``). ``kv_format="bf16"``:
+        ``bfloat16`` ``[num_blocks, page_size, 1, d_qk]``. Pages may be spaced (``stride(0)``).
+    indices : torch.Tensor
+        ``[B, s_q, topk]`` ``int32`` global slots ``page * page_size + offset``; ``-1`` and
+        out-of-range slots are skipped.
+    sm_scale : float
+        Softmax scale.
+    d_v : int
+        Value head dim (512).
+    kv_format : str
+        ``"fp8_ds_mla"`` or ``"bf16"``.
+    attn_sink : torch.Tensor, optional
+        ``[h_q]`` ``float32`` attention sink (see :func:`flash_mla_sparse_fwd`).
+    topk_length : torch.Tensor, optional
+        ``[B]`` ``int32``: only the first ``topk_length[b]`` indices of request ``b`` count.
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``[B, s_q, h_q, d_v]`` ``bfloat16``.
+    lse : torch.Tensor
+        ``[B, h_q, s_q]`` ``float32`` natural-log sum-exp (``+inf`` for rows without a valid slot).
+    """
+    dims: dict[str, int] = {}
+    check_tensor(q, "q", dtype=torch.bfloat16, shape=("B", "s_q", "h_q", "d_qk"), dims=dims)
+    dev = q.device
+    check_choice(kv_format, "kv_format", KV_FORMATS)
+    check_int(dims["s_q"], "q.shape[1] (s_q)", min_value=1, max_value=MAX_DECODE_S_Q)
+    kv_cache = _check_paged_cache(kv_cache, kv_format, dims["d_qk"], dev)
+    check_tensor(indices, "indices", dtype=torch.int32, shape=("B", "s_q", "topk"), dims=dims, device=dev)
+    check_float(sm_scale, "sm_scale", positive=True)
+    _check_common(dims["h_q"], dims["d_qk"], d_v, dims["topk"])
+    if attn_sink is not None:
+        check_tensor(attn_sink, "attn_sink", dtype=torch.float32, shape=("h_q",), dims=dims, device=dev)
+        attn_sink = attn_sink.contiguous()
+    if topk_length is not None:
+        check_tensor(topk_length, "topk_length", dtype=torch.int32, shape=("B",), dims=dims, device=dev)
+        topk_length = topk_length.contiguous()
+    name = resolve_impl("sparse_mla_decode", impl, {
+        "device": dev, "num_heads": dims["h_q"], "d_qk": dims["d_qk"], "topk": dims["topk"], "s_q": dims["s_q"],
+        "kv_format": kv_format, "page_size": kv_cache.shape[1]})
+    return _sparse_decode_op(q.contiguous(), kv_cache, indices.contiguous(), float(sm_scale), d_v, kv_format,
+                             attn_sink, topk_length, name)

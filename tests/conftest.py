@@ -1,0 +1,43 @@
+"""Shared test setup.
+
+- Without a CUDA GPU, Triton kernels run in the CPU interpreter: ``TRITON_INTERPRET=1`` must be
+  set before any kernel module is imported, so it is set here (tests that compile ahead of time
+  run in a subprocess without it).
+- ``gpu``-marked tests are skipped without a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
