@@ -17,7 +17,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Smallest amax used to derive a quantisation scale, so all-zero groups get a finite scale.
 AMAX_FLOOR = 1e-4
-# Row segment length of the paged-logits schedule (four 64-token pages).
+# Row segment length of the paged-logits schedule (DeepGEMM's SPLIT_KV: four 64-token pages).
 PAGED_SCHEDULE_SPLIT_KV = 256
 # fp8_ds_mla token layout: 512 e4m3 latent values, 4 fp32 scales, 64 bf16 rope values.
 DS_MLA_NOPE_DIM = 512
@@ -75,29 +75,27 @@ def fp8_mqa_logits(
 
 
 def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num_sms: int) -> torch.Tensor:
-    """Even split of every request's context, in segments of 256 keys, over ``num_sms`` workers.
+    """DeepGEMM's schedule: every request's context in segments of 256 keys, spread evenly over
+    ``num_sms`` workers (DeepGEMM ``smxx_paged_mqa_logits_metadata``, one q atom per request).
 
-    Entry ``w`` holds ``(request, segment)`` where worker ``w`` starts; entry ``num_sms`` holds the
-    end sentinel ``(B, 0)``. A 2-D ``context_lens`` uses each request's longest row.
+    Request ``b`` has ``ceil(L_b / 256)`` segments, where ``L_b`` is ``context_lens[b]`` (1-D) or
+    its last column ``context_lens[b, -1]`` (2-D). Worker ``w`` starts at segment
+    ``start_w = w * (total // num_sms) + min(w, total % num_sms)`` of the concatenation; entry
+    ``w`` holds ``(b, start_w - segments before b)`` with ``b`` the number of requests whose
+    segments all end at or before ``start_w``. Entry ``num_sms`` is the end sentinel ``(B, 0)``.
+    Negative lengths count as empty. No host synchronisation.
     """
     lens = context_lens.long()
     if lens.dim() == 2:
-        lens = lens.max(dim=1).values if lens.shape[1] > 0 else lens.new_zeros(lens.shape[0])
-    B = lens.shape[0]
+        lens = lens[:, -1] if lens.shape[1] > 0 else lens.new_zeros(lens.shape[0])
     segs = (lens.clamp(min=0) + PAGED_SCHEDULE_SPLIT_KV - 1) // PAGED_SCHEDULE_SPLIT_KV  # [B]
-    total = int(segs.sum())
-    per, rem = divmod(total, num_sms)
     cum = torch.cumsum(segs, 0)  # inclusive prefix
-    out = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
-    for w in range(num_sms + 1):
-        start = w * per + min(w, rem)
-        if start >= total:
-            out[w, 0], out[w, 1] = B, 0
-            continue
-        b = int(torch.searchsorted(cum, torch.tensor(start, device=cum.device), right=True))
-        prev = int(cum[b - 1]) if b > 0 else 0
-        out[w, 0], out[w, 1] = b, start - prev
-    return out
+    total = cum[-1:].sum()  # 0-d, 0 when B == 0
+    w = torch.arange(num_sms + 1, device=lens.device)
+    start = w * (total // num_sms) + torch.minimum(w, total % num_sms)  # [num_sms + 1]
+    req = torch.searchsorted(cum, start, right=True)  # requests with cum <= start
+    before = torch.cat([cum.new_zeros(1), cum])[req]
+    return torch.stack([req, start - before], dim=1).to(torch.int32)
 
 
 def _paged_visible_lengths(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
@@ -248,12 +246,14 @@ def _sparse_attention(
     step = max(1, _CHUNK_ELEMS // max(1, h * k_rows.shape[1]))
     for t0 in range(0, T, step):
         sl = slice(t0, t0 + step)
-        p = torch.einsum("thd,tkd->thk", q[sl].float(), k_rows[sl]) * sm_scale  # [t, h, topk]
+        # Skipped entries may point at rows holding anything (NaN in an uninitialised cache): zero them.
+        k = k_rows[sl].masked_fill(~valid[sl, :, None], 0.0)  # [t, topk, d_qk]
+        p = torch.einsum("thd,tkd->thk", q[sl].float(), k) * sm_scale  # [t, h, topk]
         p = p.masked_fill(~valid[sl, None, :], float("-inf"))
         m = p.amax(dim=-1)  # [t, h]
         l_ = torch.logsumexp(p, dim=-1)  # -inf when no valid key
         w = torch.exp(p - torch.where(torch.isinf(l_), torch.zeros_like(l_), l_)[..., None])
-        o = torch.einsum("thk,tkd->thd", w, k_rows[sl, :, :d_v])
+        o = torch.einsum("thk,tkd->thd", w, k[:, :, :d_v])
         empty = torch.isinf(l_)
         o = o.masked_fill(empty[..., None], 0.0)
         if attn_sink is not None:
@@ -307,7 +307,9 @@ def ds_mla_scales(amax: torch.Tensor, scale_format: str) -> torch.Tensor:
     """Per-group dequantisation scale from the group's absolute maximum."""
     scale = amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX
     if scale_format == "pow2":
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        # Smallest power of two >= scale, exactly (log2 can round 2^k * (1 + eps) down to k).
+        m, e = torch.frexp(scale)  # scale = m * 2**e, 0.5 <= m < 1
+        scale = torch.ldexp(torch.ones_like(scale), e - (m == 0.5).int())
     return scale
 
 
