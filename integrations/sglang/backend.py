@@ -1,0 +1,428 @@
+"""nsa-backend's DSA attention backend for SGLang (imports SGLang; loaded by the plugin's factories).
+
+:class:`NsaSparseAttnBackend` keeps SGLang's DSA machinery that does not depend on the GPU
+(``DeepseekSparseAttnBackend``: metadata building, CUDA-graph buffers, MTP precompute) and runs
+every arch-bound kernel on nsa-backend's routed ops:
+
+- indexer logits, paged-logits metadata: SGLang's resolvers are pointed at nsa-backend
+  (:mod:`nsa_backend_integrations.sglang.kernels`);
+- top-k + page-table transform: :class:`NsaIndexerMetadata` (``topk_indices`` then
+  ``logical_to_global_indices``), returning the same "fused" indices SGLang's kernels return;
+- sparse MLA prefill / decode: :func:`nsa_backend.dsa.dsa_sparse_attention` over the metadata
+  adapted by :func:`~nsa_backend_integrations.sglang.metadata.to_sparse_attn_metadata`;
+- FP8 ("fp8_ds_mla", 656 B/token) cache writes: :func:`nsa_backend.write_fp8_ds_mla_cache`.
+
+A phase whose chosen implementation is one of SGLang's own kernels (``fa3``, ``tilelang``,
+``trtllm``, ...) runs SGLang's code for that phase.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from nsa_backend_integrations.sglang import kernels
+from nsa_backend_integrations.sglang.metadata import field, mode_of_forward, to_sparse_attn_metadata
+from nsa_backend_integrations.sglang.settings import check_impl_choice
+from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
+from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
+from sglang.srt.layers.attention.dsa_backend import (
+    DeepseekSparseAttnBackend,
+    DeepseekSparseAttnMultiStepBackend,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+import nsa_backend
+from nsa_backend.dsa import TopkSelection, dsa_sparse_attention
+from nsa_backend.routing import set_active_model
+from nsa_backend.routing.validate import CHOICE_TO_IMPL
+
+logger = logging.getLogger("nsa_backend.sglang")
+
+# Implementations whose sparse MLA runs on the paged cache only (FlashInfer's SM120 / trtllm-gen
+# kernels): prefill batches go through ``sparse_mla_decode`` with one query row per token.
+PAGED_ONLY_IMPLS: frozenset[str] = frozenset({"flashinfer"})
+
+
+def topk_transform(
+    logits: torch.Tensor,
+    topk: int,
+    method: TopkTransformMethod,
+    attn_metadata: Any,
+    *,
+    lengths: torch.Tensor,
+    row_starts: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    batch_idx_list: Any = None,
+    topk_indices_offset: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """SGLang's fused top-k transform on nsa-backend's ops.
+
+    Row ``i`` of ``logits`` ``[R, N]`` selects the ``topk`` best columns of
+    ``[row_starts[i], row_starts[i] + lengths[i])`` (``row_starts`` defaults to 0); the local
+    position ``p`` (column - row start) is returned as
+
+    - ``RAGGED``: ``topk_indices_offset[i] + p``, a row of SGLang's ragged key buffer;
+    - ``PAGED``: the cache slot of position ``p`` of the row's request, through ``page_table_1``
+      (or ``real_page_table`` when the wide table was dropped).
+
+    Returns ``[R, topk]`` int32, ``-1`` where a row has fewer keys.
+    """
+    rows = logits.shape[0]
+    device = logits.device
+    lengths = lengths.reshape(-1)[:rows].to(device=device, dtype=torch.int32)
+    starts = (
+        torch.zeros_like(lengths)
+        if row_starts is None
+        else row_starts.reshape(-1)[:rows].to(device=device, dtype=torch.int32)
+    )
+    cols = nsa_backend.topk_indices(logits, topk, starts, starts + lengths, impl=impl)
+    none = torch.full_like(cols, -1)
+    local = torch.where(cols >= 0, cols - starts[:, None], none)
+    if method == TopkTransformMethod.RAGGED:
+        offset = (
+            topk_indices_offset
+            if topk_indices_offset is not None
+            else field(attn_metadata, "topk_indices_offset")
+        )
+        if offset is None:
+            raise RuntimeError("RAGGED top-k transform needs topk_indices_offset (extend batches only)")
+        offset = offset.reshape(-1)[:rows].to(device=device, dtype=torch.int32)
+        return torch.where(local >= 0, local + offset[:, None], none)
+    if batch_idx_list is not None:
+        req_ids = torch.as_tensor(batch_idx_list, device=device).to(torch.int32).reshape(-1)[:rows]
+    else:
+        cu = cu_seqlens_q if cu_seqlens_q is not None else attn_metadata.cu_seqlens_q
+        cu = cu.to(device=device, dtype=torch.int32)
+        if cu_seqlens_q is not None:  # per-chunk lengths, not offsets
+            cu = torch.cat([cu.new_zeros(1), cu.cumsum(0).to(torch.int32)])
+        req_ids = torch.bucketize(torch.arange(rows, device=device, dtype=torch.int32), cu[1:], right=True)
+        req_ids = req_ids.to(torch.int32)
+    table = attn_metadata.page_table_1
+    if table is not None:
+        return nsa_backend.logical_to_global_indices(local, table.to(torch.int32), req_ids, 1, impl=impl)
+    return nsa_backend.logical_to_global_indices(
+        local, attn_metadata.real_page_table.to(torch.int32), req_ids, int(attn_metadata.page_size), impl=impl
+    )
+
+
+class NsaIndexerMetadata(DSAIndexerMetadata):
+    """``DSAIndexerMetadata`` whose top-k transform runs on nsa-backend's ops."""
+
+    topk_impl = "auto"
+
+    def topk_transform(
+        self,
+        logits: torch.Tensor,
+        topk: int,
+        ks: torch.Tensor | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        ke_offset: torch.Tensor | None = None,
+        batch_idx_list: Any = None,
+        topk_indices_offset_override: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        lengths = ke_offset if ke_offset is not None else self.get_seqlens_expanded()
+        return topk_transform(
+            logits,
+            topk,
+            self.topk_transform_method,
+            self.attn_metadata,
+            lengths=lengths,
+            row_starts=ks,
+            cu_seqlens_q=cu_seqlens_q,
+            batch_idx_list=batch_idx_list,
+            topk_indices_offset=topk_indices_offset_override,
+            impl=self.topk_impl,
+        )
+
+
+def paged_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[num_slots, 1, dim]`` cache buffer as ``[num_blocks, page_size, 1, dim]`` (whole pages)."""
+    rows = buffer.shape[0] // page_size * page_size
+    return buffer[:rows].view(rows // page_size, page_size, 1, buffer.shape[-1])
+
+
+class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
+    """SGLang DSA attention backend running nsa-backend's routed kernels."""
+
+    def __init__(self, model_runner, *args, **kwargs):
+        super().__init__(model_runner, *args, **kwargs)
+        server_args = getattr(model_runner, "server_args", None)
+        self.configure(
+            model_arch=model_runner.model_config.hf_config.architectures[0],
+            kv_cache_dtype=str(getattr(model_runner, "kv_cache_dtype", "auto")),
+            prefill_flag=getattr(server_args, "dsa_prefill_backend", None),
+            decode_flag=getattr(server_args, "dsa_decode_backend", None),
+        )
+
+    def configure(
+        self,
+        *,
+        model_arch: str,
+        kv_cache_dtype: str,
+        prefill_flag: str | None = None,
+        decode_flag: str | None = None,
+        device_arch: str | None = None,
+    ) -> None:
+        """Check and apply the implementation choice (also usable on a bare instance)."""
+        kv = "fp8_e4m3" if "float8" in kv_cache_dtype or "fp8" in kv_cache_dtype else "bfloat16"
+        store_fp8 = bool(getattr(self, "dsa_kv_cache_store_fp8", False))
+        if kv == "fp8_e4m3" and not store_fp8:
+            raise ValueError(
+                "nsa-backend's SGLang backend needs the packed fp8_ds_mla cache for an FP8 KV cache "
+                "(raw FP8 MLA rows without scales are a TileLang-only layout)"
+            )
+        if getattr(self, "dsa_index_kpool", 1) > 1:
+            raise ValueError(
+                "nsa-backend's SGLang backend does not support pooled index keys (index_kpool > 1)"
+            )
+        if getattr(self, "hisparse_coordinator", None) is not None:
+            raise ValueError("nsa-backend's SGLang backend does not support --enable-hisparse")
+        if getattr(self, "dcp_size", 1) > 1:
+            raise ValueError("nsa-backend's SGLang backend does not support --dcp-size > 1")
+        self.nsa_choices = check_impl_choice(
+            model_arch, kv, prefill_flag, decode_flag, device_arch=device_arch
+        )
+        prefill_choice, decode_choice = self.nsa_choices
+        # Our implementation name per phase; None: the phase runs SGLang's kernel of that name.
+        self.nsa_prefill_impl = CHOICE_TO_IMPL.get(prefill_choice)
+        self.nsa_decode_impl = CHOICE_TO_IMPL.get(decode_choice)
+        self.dsa_prefill_impl = prefill_choice if self.nsa_prefill_impl is None else "flashmla_sparse"
+        self.dsa_decode_impl = decode_choice if self.nsa_decode_impl is None else "flashmla_sparse"
+        self.enable_auto_select_prefill_impl = False
+        self.use_mha = False
+        self.supports_mha_one_shot = False
+        self.use_fused_topk = True  # indexer output = final indices (slots / ragged rows)
+        self.nsa_kv_format = "fp8_ds_mla" if store_fp8 else "bf16"
+        self.nsa_scale_format = "arbitrary" if model_arch.startswith("Glm") else "pow2"
+        self._nsa_prefill_md: tuple[int, Any] | None = None
+        set_active_model(model_arch)
+        kernels.activate_dsa()
+        logger.info(
+            "nsa-backend SGLang backend: prefill=%s decode=%s (%s cache)",
+            prefill_choice,
+            decode_choice,
+            self.nsa_kv_format,
+        )
+
+    # -- SGLang hooks kept arch-independent ---------------------------------------------------
+
+    def set_dsa_prefill_impl(self, forward_batch=None):
+        self.use_mha = False
+
+    def get_topk_transform_method(self, forward_mode=None) -> TopkTransformMethod:
+        if self.nsa_prefill_impl is None:
+            return super().get_topk_transform_method(forward_mode)
+        if forward_mode == ForwardMode.EXTEND:
+            return TopkTransformMethod.RAGGED
+        return TopkTransformMethod.PAGED
+
+    def get_indexer_metadata(self, layer_id: int, forward_batch) -> NsaIndexerMetadata:
+        md = NsaIndexerMetadata(
+            attn_metadata=self.forward_metadata,
+            topk_transform_method=self.get_topk_transform_method(forward_batch.forward_mode),
+            topk_backend=self.dsa_topk_backend,
+            paged_mqa_schedule_metadata=self.forward_metadata.paged_mqa_schedule_metadata,
+            paged_mqa_ctx_lens_2d=self.forward_metadata.paged_mqa_ctx_lens_2d,
+            force_unfused_topk=False,
+        )
+        return md
+
+    def _build_topk_v2_plan(self, seqlens_expanded):
+        return None
+
+    def _refresh_topk_v2_plan(self, metadata) -> None:
+        return None
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def sparse_metadata(self, forward_batch):
+        """:class:`nsa_backend.metadata.SparseAttnMetadata` of the current batch."""
+        mode = mode_of_forward(forward_batch.forward_mode)
+        slots = getattr(forward_batch, "out_cache_loc", None)
+        if mode == "prefill":
+            key = id(self.forward_metadata)
+            if self._nsa_prefill_md is not None and self._nsa_prefill_md[0] == key:
+                return self._nsa_prefill_md[1]
+            md = to_sparse_attn_metadata(self.forward_metadata, mode, slots)
+            self._nsa_prefill_md = (key, md)
+            return md
+        return to_sparse_attn_metadata(self.forward_metadata, mode, slots)
+
+    def _cache_bytes(self, layer) -> torch.Tensor:
+        """The layer's fp8_ds_mla cache as ``uint8 [num_slots, 1, 656]``."""
+        return self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(torch.uint8)
+
+    def _write_kv(self, layer, loc: torch.Tensor, k: torch.Tensor, k_rope: torch.Tensor | None) -> None:
+        if self.nsa_kv_format != "fp8_ds_mla":
+            self.token_to_kv_pool.set_mla_kv_buffer(layer, loc, k, k_rope)
+            return
+        num = loc.shape[0]
+        parts = [k.reshape(num, -1)]
+        if k_rope is not None:
+            parts.append(k_rope.reshape(num, -1))
+        kv = torch.cat(parts, dim=-1).to(torch.bfloat16)
+        nsa_backend.write_fp8_ds_mla_cache(kv, self._cache_bytes(layer), loc, self.nsa_scale_format)
+
+    def _attention_cache(self, layer, page_size: int) -> torch.Tensor:
+        if self.nsa_kv_format == "fp8_ds_mla":
+            return paged_view(self._cache_bytes(layer), page_size)
+        return paged_view(self.token_to_kv_pool.get_key_buffer(layer.layer_id), page_size)
+
+    def _forward_nsa(
+        self, q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, topk_indices, attn_sink, impl: str
+    ) -> torch.Tensor:
+        if k is not None and save_kv_cache:
+            self._write_kv(layer, forward_batch.out_cache_loc, k, k_rope)
+        heads = layer.tp_q_head_num
+        if q_rope is not None:
+            q_nope = q.view(-1, heads, layer.v_head_dim)
+            q_all = torch.cat([q_nope, q_rope.view(q_nope.shape[0], heads, -1)], dim=-1)
+        else:
+            q_all = q.contiguous().view(-1, heads, layer.head_dim)
+        q_all = q_all.to(torch.bfloat16)
+        total = q_all.shape[0]
+        md = self.sparse_metadata(forward_batch)
+        n = md.num_tokens
+        indices = topk_indices[:n].to(torch.int32)
+        ragged = self.get_topk_transform_method(forward_batch.forward_mode) == TopkTransformMethod.RAGGED
+        if ragged:  # rows of the prefill key buffer
+            valid = indices >= 0
+            slots = md.prefill.key_slots[indices.clamp(min=0).long()].to(torch.int32)
+            global_slots = torch.where(valid, slots, torch.full_like(slots, -1))
+            selection = TopkSelection(global_slots=global_slots, prefill_keys=indices)
+        else:  # cache slots already
+            selection = TopkSelection(global_slots=indices, prefill_keys=None)
+        cache = self._attention_cache(layer, md.page_size)
+        if md.decode is not None or (ragged and impl not in PAGED_ONLY_IMPLS):
+            out = dsa_sparse_attention(
+                md,
+                q_all[:n],
+                cache,
+                selection,
+                layer.scaling,
+                kv_format=self.nsa_kv_format,
+                d_v=layer.v_head_dim,
+                attn_sink=attn_sink,
+                impl=impl,
+            )
+        else:
+            # Uneven draft-extend batches, and kernels without a ragged prefill entry: read the
+            # paged cache with one query row per token.
+            o, _ = nsa_backend.sparse_mla_decode(
+                q_all[:n, None],
+                cache,
+                selection.global_slots[:, None, :],
+                layer.scaling,
+                layer.v_head_dim,
+                self.nsa_kv_format,
+                attn_sink,
+                impl=impl,
+            )
+            out = o[:, 0]
+        if total > n:  # DP / graph padding rows
+            out = torch.cat([out, out.new_zeros(total - n, *out.shape[1:])])
+        return out
+
+    def forward_extend(
+        self,
+        q,
+        k,
+        v,
+        layer,
+        forward_batch,
+        save_kv_cache=True,
+        q_rope=None,
+        k_rope=None,
+        topk_indices=None,
+        cos_sin_cache=None,
+        is_neox=False,
+        llama_4_scaling=None,
+        attn_sink=None,
+    ) -> torch.Tensor:
+        mode = forward_batch.forward_mode
+        speculative = mode.is_target_verify() or mode.is_draft_extend_v2()
+        impl = self.nsa_decode_impl if speculative else self.nsa_prefill_impl
+        if impl is None or topk_indices is None:
+            return super().forward_extend(
+                q,
+                k,
+                v,
+                layer,
+                forward_batch,
+                save_kv_cache,
+                q_rope,
+                k_rope,
+                topk_indices,
+                cos_sin_cache,
+                is_neox,
+                llama_4_scaling,
+                attn_sink,
+            )
+        return self._forward_nsa(
+            q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, topk_indices, attn_sink, impl
+        )
+
+    def forward_decode(
+        self,
+        q,
+        k,
+        v,
+        layer,
+        forward_batch,
+        save_kv_cache=True,
+        q_rope=None,
+        k_rope=None,
+        topk_indices=None,
+        cos_sin_cache=None,
+        is_neox=False,
+        llama_4_scaling=None,
+        attn_sink=None,
+    ) -> torch.Tensor:
+        impl = self.nsa_decode_impl
+        if impl is None or topk_indices is None:
+            return super().forward_decode(
+                q,
+                k,
+                v,
+                layer,
+                forward_batch,
+                save_kv_cache,
+                q_rope,
+                k_rope,
+                topk_indices,
+                cos_sin_cache,
+                is_neox,
+                llama_4_scaling,
+                attn_sink,
+            )
+        return self._forward_nsa(
+            q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, topk_indices, attn_sink, impl
+        )
+
+
+class NsaSparseAttnMultiStepBackend(DeepseekSparseAttnMultiStepBackend):
+    """Multi-step MTP / EAGLE draft decode backend built from :class:`NsaSparseAttnBackend` steps."""
+
+    def __init__(
+        self,
+        model_runner,
+        topk: int,
+        speculative_num_steps: int,
+        seed_dsa_topk_from_draft_extend: bool = False,
+    ):
+        self.topk = topk
+        self.speculative_num_steps = speculative_num_steps
+        self._sink_pad_cache = {}
+        self.attn_backends = [
+            NsaSparseAttnBackend(
+                model_runner,
+                speculative_step_id=i,
+                topk=topk,
+                speculative_num_steps=speculative_num_steps,
+                seed_dsa_topk_from_draft_extend=seed_dsa_topk_from_draft_extend,
+            )
+            for i in range(speculative_num_steps - 1)
+        ]

@@ -1,0 +1,143 @@
+"""Timing of one callable: median milliseconds per call.
+
+``bench_ms(fn)`` is what every benchmark module times with, so all rows of one run are measured
+the same way:
+
+- CUDA, ``flush_l2=True`` (default): ``triton.testing.do_bench(fn, warmup, rep,
+  return_mode="median")`` when Triton is importable (it clears the L2 cache before every call);
+  otherwise the same procedure written with CUDA events and a 256 MiB buffer zeroed before
+  every call.
+- CUDA, ``flush_l2=False``: CUDA events without the cache clear (warm-L2 numbers).
+- CPU: ``time.perf_counter`` around every call, median.
+
+``warmup`` and ``rep`` are time budgets in milliseconds, as in ``triton.testing.do_bench``: the
+number of calls follows from a first estimate of one call's time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+DEFAULT_WARMUP_MS = 25.0
+DEFAULT_REP_MS = 100.0
+# Bytes zeroed before every timed call to evict the L2 cache (H200: 60 MiB of L2).
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+# Bounds on the number of timed calls, so tiny CPU functions and slow references both finish.
+MAX_CALLS = 1000
+ESTIMATE_CALLS = 5
+
+
+def _on_cuda(device: str | torch.device | None) -> bool:
+    if device is None:
+        return torch.cuda.is_available()
+    return torch.device(device).type == "cuda"
+
+
+def bench_ms(
+    fn: Callable[[], Any],
+    warmup: float = DEFAULT_WARMUP_MS,
+    rep: float = DEFAULT_REP_MS,
+    *,
+    flush_l2: bool = True,
+    device: str | torch.device | None = None,
+) -> float:
+    """Median time of one call of ``fn`` in milliseconds.
+
+    Parameters
+    ----------
+    fn : callable
+        Called without arguments; it should launch the work to time (CUDA calls may be async).
+    warmup : float
+        Warm-up budget in ms (at least one call).
+    rep : float
+        Budget of the timed calls in ms (at least one call, at most ``MAX_CALLS``).
+    flush_l2 : bool
+        CUDA only: clear the L2 cache before every timed call (cold-cache numbers).
+    device : str or torch.device, optional
+        Where ``fn`` runs; ``None`` means CUDA when available, else CPU.
+
+    Returns
+    -------
+    float
+        Median milliseconds per call.
+    """
+    if not _on_cuda(device):
+        return _bench_cpu(fn, warmup, rep)
+    if flush_l2:
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    return _bench_cuda_events(fn, warmup, rep, flush_l2)
+
+
+def _bench_cpu(fn: Callable[[], Any], warmup: float, rep: float) -> float:
+    fn()  # first call: one-time costs (imports, allocator, op registration) stay out of the estimate
+    t0 = time.perf_counter()
+    fn()
+    first = (time.perf_counter() - t0) * 1e3
+    estimate = max(first, 1e-4)
+    n_warmup = min(MAX_CALLS, int(warmup / estimate))
+    for _ in range(n_warmup):
+        fn()
+    n = max(1, min(MAX_CALLS, int(rep / estimate)))
+    # A call too slow to repeat within the budgets counts the estimate as a timed call.
+    times = [first] if n_warmup == 0 else []
+    for _ in range(n - len(times)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
+def _bench_cuda_events(fn: Callable[[], Any], warmup: float, rep: float, flush_l2: bool) -> float:
+    cache = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush_l2 else None
+
+    def clear() -> None:
+        if cache is not None:
+            cache.zero_()
+
+    fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(ESTIMATE_CALLS):
+        clear()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / ESTIMATE_CALLS, 1e-4)
+    for _ in range(max(1, int(warmup / estimate))):
+        fn()
+    n = max(1, min(MAX_CALLS, int(rep / estimate)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        clear()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return float(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
+
+
+def tflops(flops: float | None, ms: float | None) -> float | None:
+    """TFLOP/s of ``flops`` floating-point operations done in ``ms`` milliseconds."""
+    if flops is None or not ms:
+        return None
+    return flops / ms / 1e9
+
+
+def gbps(nbytes: float | None, ms: float | None) -> float | None:
+    """GB/s (10^9 bytes per second) of ``nbytes`` moved in ``ms`` milliseconds."""
+    if nbytes is None or not ms:
+        return None
+    return nbytes / ms / 1e6

@@ -1,0 +1,468 @@
+"""Which implementation supports which (op, arch, shape, dtype): one declarative table.
+
+Every row of :data:`TABLE` is a :class:`Support`: an op, an implementation, the arch families it
+runs on, an optional native package with a version range, and constraints on the shape features
+the public op passes to routing (``num_heads``, ``head_dim``, ``d_qk``, ``kv_format``,
+``page_size``, ``next_n``, ...). A call is supported when some row matches. Constraints that can
+be met by zero-padding (indexer heads with zero weights, FlashMLA query heads) say so, and routing
+pads rather than giving up the native kernel.
+
+Sources (versions checked): DeepGEMM 2.0-2.6 ``csrc/apis/attention.hpp`` and
+``hyperconnection.hpp``; FlashMLA 1.0 (``sgl-flash-mla`` 1.0.0: SM90 and the V3.2 cache format
+through ``use_legacy=True``); FlashInfer 0.6.18-0.7.2 ``mla/_sparse_mla_sm120``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from nsa_backend.routing.device import CUDA_ARCHS, GPU_ARCHS
+
+OPS: tuple[str, ...] = (
+    "fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "pack_indexer_k_cache",
+    "topk_indices", "logical_to_global_indices",
+    "flash_mla_sparse_fwd", "sparse_mla_decode",
+    "pack_fp8_ds_mla", "unpack_fp8_ds_mla", "write_fp8_ds_mla_cache",
+    "tf32_hc_prenorm_gemm",
+)
+NATIVE_IMPLS: tuple[str, ...] = ("deep_gemm", "flash_mla", "flashinfer")
+IMPLS: tuple[str, ...] = ("reference", "triton", *NATIVE_IMPLS)
+# Python module (import name) and distribution names of each native package.
+NATIVE_MODULES: dict[str, str] = {"deep_gemm": "deep_gemm", "flash_mla": "flash_mla", "flashinfer": "flashinfer"}
+NATIVE_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
+    "deep_gemm": ("deep_gemm", "sgl-deep-gemm", "deep-gemm"),
+    "flash_mla": ("flash_mla", "sgl-flash-mla", "flash-mla"),
+    "flashinfer": ("flashinfer-python", "flashinfer"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Constraints
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """The feature must be one of ``values``; with ``pad=True`` a smaller integer is padded up to
+    the next accepted value (zero heads that do not change the result)."""
+
+    values: tuple[Any, ...]
+    pad: bool = False
+
+    def check(self, value: Any) -> bool:
+        return value in self.values or (self.pad and self.pad_to(value) is not None)
+
+    def pad_to(self, value: Any) -> Any:
+        if value in self.values:
+            return value
+        if not self.pad or not isinstance(value, int):
+            return None
+        bigger = [v for v in self.values if v > value]
+        return min(bigger) if bigger else None
+
+    def describe(self) -> str:
+        vals = "{" + ", ".join(str(v) for v in self.values) + "}"
+        return f"in {vals}" + (" (smaller values are zero-padded)" if self.pad else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """``lo <= feature <= hi`` (either bound optional)."""
+
+    lo: int | None = None
+    hi: int | None = None
+
+    def check(self, value: Any) -> bool:
+        if not isinstance(value, int):
+            return False
+        return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+
+    def describe(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"in [{self.lo}, {self.hi}]"
+        return f">= {self.lo}" if self.lo is not None else f"<= {self.hi}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MultipleOf:
+    """The feature must be a positive multiple of ``n``."""
+
+    n: int
+
+    def check(self, value: Any) -> bool:
+        return isinstance(value, int) and value > 0 and value % self.n == 0
+
+    def describe(self) -> str:
+        return f"a multiple of {self.n}"
+
+
+Constraint = OneOf | Range | MultipleOf
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """One row of the capability table."""
+
+    op: str
+    impl: str
+    archs: frozenset[str]
+    where: tuple[tuple[str, Constraint], ...] = ()
+    package: str | None = None
+    min_version: str | None = None
+    max_version: str | None = None   # exclusive
+    note: str = ""
+    # "module:function(device) -> (ok, why)" run once per GPU: for builds whose arch support cannot
+    # be read from the version (DeepGEMM has no SM120 kernels unless the installed build adds them).
+    probe: str | None = None
+
+    def version_ok(self, version: str | None) -> bool:
+        if self.min_version is None and self.max_version is None:
+            return True
+        if version is None:
+            return self.min_version is None
+        v = parse_version(version)
+        if self.min_version is not None and v < parse_version(self.min_version):
+            return False
+        return not (self.max_version is not None and v >= parse_version(self.max_version))
+
+    def version_text(self) -> str:
+        lo, hi = self.min_version, self.max_version
+        if lo and hi:
+            return f"{self.package} >= {lo}, < {hi}"
+        if lo:
+            return f"{self.package} >= {lo}"
+        if hi:
+            return f"{self.package} < {hi}"
+        return self.package or ""
+
+
+def _row(op: str, impl: str, archs: Iterable[str], *, package: str | None = None, min_version: str | None = None,
+         max_version: str | None = None, note: str = "", probe: str | None = None, **where: Constraint) -> Support:
+    return Support(op, impl, frozenset(archs), tuple(where.items()), package, min_version, max_version, note, probe)
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """Leading numeric release of a version string (``"0.6.18.post1+cu13"`` -> ``(0, 6, 18)``)."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", text)
+    if not match:
+        return (0,)
+    return tuple(int(p) for p in match.group(1).split("."))
+
+
+# ----------------------------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------------------------
+
+SM90 = ("sm90",)
+SM100 = ("sm100", "sm103")          # DeepGEMM and FlashMLA build sm_100f (B200 and B300)
+SM120 = ("sm120", "sm121")
+_IDX_HEAD_DIM = OneOf((32, 64, 128))
+_SM90_HEADS = OneOf((32, 64), pad=True)
+_DG = {"package": "deep_gemm"}
+# DeepGEMM SM100 indexer head counts per release band [min, max): 2.2 - 2.3 (Nov 2025 - Jan 2026)
+# failed to compile for H < 52, 2.4 - 2.5 assert H in {32, 64}, 2.6 adds 8 and 16.
+_SM100_HEAD_BANDS: tuple[tuple[str | None, str | None, tuple[int, ...], str], ...] = (
+    (None, "2.2", (32, 64), ""),
+    ("2.2", "2.4", (64,), "this DeepGEMM's SM100 indexer needs H >= 52: heads padded to 64"),
+    ("2.4", "2.6", (32, 64), ""),
+    ("2.6", None, (8, 16, 32, 64), ""),
+)
+
+
+def _deep_gemm_ragged_rows() -> tuple[Support, ...]:
+    rows = [_row("fp8_mqa_logits", "deep_gemm", SM90, **_DG, num_heads=_SM90_HEADS, head_dim=_IDX_HEAD_DIM)]
+    for lo, hi, heads, note in _SM100_HEAD_BANDS:
+        rows.append(_row("fp8_mqa_logits", "deep_gemm", SM100, **_DG, min_version=lo, max_version=hi, note=note,
+                         num_heads=OneOf(heads, pad=True), head_dim=_IDX_HEAD_DIM))
+    return tuple(rows)
+
+
+def _deep_gemm_paged_rows() -> tuple[Support, ...]:
+    """Paged logits. Before 2.2 only 1-D context_lens (2-D only with next_n == 1, squeezed by the
+    wrapper); 2.2 - 2.3 take both forms with next_n <= 2 and block_kv 64; 2.4+ take 2-D only (1-D is
+    expanded by the wrapper), any next_n, and block_kv 32 or 64 on SM100."""
+    rows = []
+    sm90_bands = ((None, "2.2", (32, 64), ""), ("2.2", "2.4", (32, 64), ""), ("2.4", None, (32, 64), ""))
+    for archs, bands in ((SM90, sm90_bands), (SM100, _SM100_HEAD_BANDS)):
+        for lo, hi, heads, note in bands:
+            common = {"num_heads": OneOf(heads, pad=True), "head_dim": _IDX_HEAD_DIM}
+            old = hi is not None and parse_version(hi) <= (2, 2)
+            new = lo is not None and parse_version(lo) >= (2, 4)
+            page = OneOf((32, 64)) if new and archs == SM100 else OneOf((64,))
+            if old:
+                rows.append(_row("fp8_paged_mqa_logits", "deep_gemm", archs, **_DG, min_version=lo, max_version=hi,
+                                 note=note, **common, page_size=page, next_n=OneOf((1, 2)),
+                                 context_lens_2d=OneOf((False,))))
+                rows.append(_row("fp8_paged_mqa_logits", "deep_gemm", archs, **_DG, min_version=lo, max_version=hi,
+                                 note=note, **common, page_size=page, next_n=OneOf((1,)),
+                                 context_lens_2d=OneOf((True,))))
+            else:
+                rows.append(_row("fp8_paged_mqa_logits", "deep_gemm", archs, **_DG, min_version=lo, max_version=hi,
+                                 note=note, **common, page_size=page,
+                                 next_n=Range(1, None) if new else OneOf((1, 2))))
+    return tuple(rows)
+
+
+_DG_SM120_PROBE = "nsa_backend.native.deep_gemm:arch_supported"
+_DG_SM120_NOTE = "the installed DeepGEMM build has SM120 kernels (checked on this GPU)"
+
+_TRITON_OPS = (
+    "fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "topk_indices",
+    "logical_to_global_indices", "flash_mla_sparse_fwd", "sparse_mla_decode", "pack_fp8_ds_mla",
+    "write_fp8_ds_mla_cache", "tf32_hc_prenorm_gemm",
+)
+
+TABLE: tuple[Support, ...] = (
+    # Triton: every GPU the kernels compile for.
+    *(_row(op, "triton", GPU_ARCHS, note="portable Triton kernel") for op in _TRITON_OPS),
+    # DeepGEMM indexer (versions are upstream DeepGEMM's API level, see deep_gemm_api_version).
+    *_deep_gemm_ragged_rows(),
+    _row("get_paged_mqa_logits_metadata", "deep_gemm", SM90, **_DG, page_size=OneOf((64,))),
+    _row("get_paged_mqa_logits_metadata", "deep_gemm", SM100, **_DG, max_version="2.4", page_size=OneOf((64,))),
+    _row("get_paged_mqa_logits_metadata", "deep_gemm", SM100, **_DG, min_version="2.4",
+         page_size=OneOf((32, 64))),
+    *_deep_gemm_paged_rows(),
+    # DeepGEMM mHC pre-norm GEMM (added in 2.3): SM90 for N <= 32, SM100 any N; K % 64 == 0.
+    _row("tf32_hc_prenorm_gemm", "deep_gemm", SM90, **_DG, min_version="2.3", n=Range(1, 32),
+         k=MultipleOf(64)),
+    _row("tf32_hc_prenorm_gemm", "deep_gemm", SM100, **_DG, min_version="2.3", k=MultipleOf(64)),
+    # DeepGEMM on SM120 / SM121: upstream raises "Unsupported architecture"; a build that has the
+    # kernels is recognised by running its paged-metadata kernel once on the GPU.
+    *(_row(op, "deep_gemm", SM120, **_DG, probe=_DG_SM120_PROBE, note=_DG_SM120_NOTE, **where)
+      for op, where in (
+          ("fp8_mqa_logits", {"num_heads": _SM90_HEADS, "head_dim": _IDX_HEAD_DIM}),
+          ("get_paged_mqa_logits_metadata", {"page_size": OneOf((64,))}),
+          ("fp8_paged_mqa_logits", {"num_heads": _SM90_HEADS, "head_dim": _IDX_HEAD_DIM,
+                                    "page_size": OneOf((64,)), "next_n": Range(1, None)}),
+          ("tf32_hc_prenorm_gemm", {"n": Range(1, 32), "k": MultipleOf(64)}),
+      )),
+    # FlashMLA sparse prefill: h_q 64 / 128 (smaller head counts padded with zero queries),
+    # d_qk 576 (V3.2 / GLM-5) or 512 (V4), d_v 512.
+    _row("flash_mla_sparse_fwd", "flash_mla", (*SM90, *SM100), package="flash_mla",
+         num_heads=OneOf((64, 128), pad=True), d_qk=OneOf((576, 512))),
+    # FlashMLA sparse decode over the 656-byte fp8_ds_mla cache.
+    _row("sparse_mla_decode", "flash_mla", (*SM90, *SM100), package="flash_mla",
+         num_heads=OneOf((64, 128), pad=True), d_qk=OneOf((576,)), kv_format=OneOf(("fp8_ds_mla",)),
+         page_size=OneOf((64,))),
+    # FlashInfer sparse MLA decode for SM120 / SM121 (trtllm_batch_decode_with_kv_cache_mla with
+    # sparse_mla_top_k): page 64, its (heads, topk) buckets, decode-sized calls only.
+    _row("sparse_mla_decode", "flashinfer", SM120, package="flashinfer", min_version="0.6.18",
+         num_heads=OneOf((8, 16, 32, 64, 128), pad=True), d_qk=OneOf((576,)), kv_format=OneOf(("fp8_ds_mla",)),
+         page_size=OneOf((64,)), topk=OneOf((128, 512, 1024, 2048)), s_q=Range(1, 64)),
+)
+
+# Features that can change a decision, per op (the routing cache key).
+SHAPE_FEATURES: dict[str, tuple[str, ...]] = {
+    op: tuple(sorted({name for row in TABLE if row.op == op for name, _ in row.where})) for op in OPS
+}
+
+
+@functools.cache
+def rows(op: str, impl: str) -> tuple[Support, ...]:
+    """Table rows for ``(op, impl)``."""
+    return tuple(row for row in TABLE if row.op == op and row.impl == impl)
+
+
+def impls_with_rows(op: str) -> tuple[str, ...]:
+    """Implementations the table lists for ``op`` (reference is implicit)."""
+    return tuple(dict.fromkeys(row.impl for row in TABLE if row.op == op))
+
+
+# ----------------------------------------------------------------------------------------------
+# Native package probe
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class NativeStatus:
+    """Whether a native package imports, its version, and why not."""
+
+    name: str
+    available: bool
+    version: str | None = None
+    error: str | None = None
+    api_version: str | None = None   # upstream release whose API the module matches (DeepGEMM forks)
+
+    @property
+    def effective_version(self) -> str | None:
+        return self.api_version or self.version
+
+
+def _distribution_version(name: str) -> str | None:
+    for dist in NATIVE_DISTRIBUTIONS[name]:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def deep_gemm_api_version(module: Any) -> str:
+    """Upstream DeepGEMM release whose API ``module`` matches.
+
+    Upstream releases declare ``__version__`` (2.2+). Forks number their own releases
+    (``sgl-deep-gemm`` 0.2.x reports ``0.2.3.post2``), so the API is read from the functions they
+    export instead: ``bf16_mega_moe`` arrived in 2.6, ``fp8_fp4_paged_mqa_logits`` (2-D context
+    lengths only) in 2.4, ``tf32_hc_prenorm_gemm`` in 2.3.
+    """
+    declared = getattr(module, "__version__", None)
+    if declared is not None and parse_version(str(declared)) >= (2, 2):
+        return str(declared)
+    if hasattr(module, "bf16_mega_moe"):
+        return "2.6"
+    if hasattr(module, "fp8_fp4_paged_mqa_logits"):
+        return "2.4"
+    if hasattr(module, "tf32_hc_prenorm_gemm"):
+        return "2.3"
+    return "2.1"
+
+
+def _probe_one(name: str) -> NativeStatus:
+    module_name = NATIVE_MODULES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # a broken binary raises OSError/RuntimeError, not only ImportError
+        return NativeStatus(name, False, _distribution_version(name), f"{type(exc).__name__}: {exc}")
+    version = getattr(module, "__version__", None) or _distribution_version(name)
+    version = str(version) if version is not None else None
+    api = deep_gemm_api_version(module) if name == "deep_gemm" else None
+    return NativeStatus(name, True, version, api_version=api if api != version else None)
+
+
+_probe_override: dict[str, NativeStatus] | None = None
+
+
+@functools.cache
+def _probe_all() -> dict[str, NativeStatus]:
+    return {name: _probe_one(name) for name in NATIVE_IMPLS}
+
+
+def probe_natives() -> dict[str, NativeStatus]:
+    """Import every native package once and report availability and version."""
+    if _probe_override is not None:
+        return _probe_override
+    return _probe_all()
+
+
+def set_native_status(statuses: Mapping[str, NativeStatus] | None) -> None:
+    """Replace the probe result (``None`` restores the real probe); for tests and ``plan``."""
+    global _probe_override
+    if statuses is None:
+        _probe_override = None
+    else:
+        full = {name: NativeStatus(name, False, None, "not installed") for name in NATIVE_IMPLS}
+        full.update(statuses)
+        _probe_override = full
+    from nsa_backend.routing.router import clear_cache
+
+    clear_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Outcome of checking one implementation for one call."""
+
+    ok: bool
+    reason: str = ""
+    padded: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    row: Support | None = None
+
+
+def _check_row(row: Support, features: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    padded: dict[str, Any] = {}
+    for name, constraint in row.where:
+        if name not in features or features[name] is None:
+            return f"{name} unknown (the call did not report it)", padded
+        value = features[name]
+        if not constraint.check(value):
+            return f"{name}={value!r} is not {constraint.describe()}", padded
+        if isinstance(constraint, OneOf) and constraint.pad and value not in constraint.values:
+            padded[name] = constraint.pad_to(value)
+    return None, padded
+
+
+def evaluate(op: str, impl: str, arch: str, features: Mapping[str, Any],
+             natives: Mapping[str, NativeStatus] | None = None) -> Verdict:
+    """Can ``impl`` run ``op`` on ``arch`` for these shape features? The reason says why not."""
+    if impl == "reference":
+        return Verdict(True, "plain PyTorch, runs anywhere")
+    candidates = rows(op, impl)
+    if not candidates:
+        return Verdict(False, f"{impl} has no {op} kernel")
+    on_arch = [row for row in candidates if arch in row.archs]
+    if not on_arch:
+        archs = sorted({a for row in candidates for a in row.archs})
+        return Verdict(False, f"{impl} has no {op} kernel for {arch} (it has kernels for {', '.join(archs)})")
+    package = on_arch[0].package
+    status = None
+    if package is not None:
+        status = (natives if natives is not None else probe_natives()).get(package)
+        if status is None or not status.available:
+            why = status.error if status is not None and status.error else "not installed"
+            return Verdict(False, f"package {package} is not importable ({why})")
+        on_arch = [row for row in on_arch if row.version_ok(status.effective_version)]
+        if not on_arch:
+            ranges = "; ".join(row.version_text() for row in rows(op, impl) if arch in row.archs)
+            return Verdict(False, f"installed {package} {status.effective_version} has no {op} kernel for {arch} "
+                                  f"(supported: {ranges})")
+    reasons = []
+    for row in on_arch:
+        reason, padded = _check_row(row, features)
+        if reason is None and row.probe is not None:
+            reason = _probe_reason(row, arch, features.get("device"))
+        if reason is None:
+            return Verdict(True, row.note, padded, row)
+        if reason not in reasons:
+            reasons.append(reason)
+    return Verdict(False, f"{impl} {op} on {arch}: " + "; or ".join(reasons))
+
+
+_probe_cache: dict[tuple[str, int], tuple[bool, str]] = {}
+
+
+def _probe_reason(row: Support, arch: str, device: Any) -> str | None:
+    """``None`` when the row's GPU probe passes on ``device``, else why not."""
+    import torch
+
+    from nsa_backend.routing.router import hardware_arch
+
+    if device is None or torch.device(device).type != "cuda":
+        return f"whether the installed {row.package} build has {arch} kernels is only known on the GPU"
+    device = torch.device(device)
+    if hardware_arch(device) != arch:
+        return f"whether the installed {row.package} build has {arch} kernels can only be checked on an {arch} GPU"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (row.probe, index)
+    if key not in _probe_cache:
+        module, func = row.probe.split(":")
+        try:
+            _probe_cache[key] = getattr(importlib.import_module(module), func)(torch.device("cuda", index))
+        except Exception as exc:
+            _probe_cache[key] = (False, f"{type(exc).__name__}: {exc}")
+    ok, why = _probe_cache[key]
+    return None if ok else f"the installed {row.package} build has no {arch} kernels ({why})"
+
+
+def describe_rows(op: str | None = None) -> list[dict[str, str]]:
+    """The table as printable rows (for ``nsa-backend doctor`` and the docs)."""
+    out = []
+    for row in TABLE:
+        if op is not None and row.op != op:
+            continue
+        out.append({
+            "op": row.op,
+            "impl": row.impl,
+            "archs": ", ".join(a for a in (*sorted(CUDA_ARCHS), "rocm") if a in row.archs),
+            "package": row.version_text(),
+            "shape": "; ".join(f"{name} {c.describe()}" for name, c in row.where),
+            "note": row.note,
+        })
+    return out

@@ -1,0 +1,486 @@
+"""nsa-backend's SGLang DSA backend on CPU against the real SGLang 0.5.23 metadata code.
+
+The ``DSAMetadata`` objects are built by SGLang's own ``DeepseekSparseAttnBackend.init_forward_metadata``
+for prefill (with a cached prefix), decode and MTP target-verify batches; only its Triton helper
+``seqlens_expand_triton`` is replaced by the same formula in torch and the DP / context-parallel
+padding helpers by their single-GPU answer. References are written out here in plain torch
+(FP8 cache decoding, top-k, softmax attention) and share no code with nsa-backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import torch
+from nsa_backend_integrations.sglang import backend as backend_module
+from nsa_backend_integrations.sglang import kernels
+from nsa_backend_integrations.sglang.backend import NsaIndexerMetadata, NsaSparseAttnBackend
+from nsa_backend_integrations.sglang.metadata import to_sparse_attn_metadata
+from sglang.srt.layers.attention import dsa_backend as sgl_dsa
+from sglang.srt.layers.attention.dsa import dsa_indexer
+from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
+from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend, TopkTransformMethod
+from sglang.srt.layers.attention.dsa.paged_mqa_logits_backend import DSAPagedMQALogitsBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+import nsa_backend
+
+PAGE = 64
+TOPK = 16
+HEADS = 4  # any head count: GLM-5 at TP=16 holds 4 heads per GPU
+D_V, D_ROPE = 512, 64
+D_QK = D_V + D_ROPE
+DRAFT = 3  # MTP: 1 + 2 draft tokens verified per request
+MAX_CTX = 192
+NUM_PAGES = 12
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: a bare backend on SGLang's metadata code, a paged pool, forward batches
+# ---------------------------------------------------------------------------------------------
+
+
+def _seqlens_expand(extend_seq_lens, seq_lens, total_len, max_q_len):
+    out = [
+        torch.arange(kv - q + 1, kv + 1, dtype=torch.int32)
+        for q, kv in zip(extend_seq_lens.tolist(), seq_lens.tolist())
+    ]
+    return torch.cat(out).clamp(min=0).to(seq_lens.device)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_sglang(monkeypatch):
+    monkeypatch.setattr(sgl_dsa, "seqlens_expand_triton", _seqlens_expand)
+    monkeypatch.setattr(sgl_dsa, "pad_dsa_cache_seqlens", lambda forward_batch, seqlens: seqlens)
+    monkeypatch.setattr(sgl_dsa, "can_dsa_prefill_cp_interleave", lambda forward_batch: False)
+    from nsa_backend.routing import reset_config
+
+    for var in ("NSA_BACKEND_PREFILL", "NSA_BACKEND_DECODE", "NSA_BACKEND_FORCE_ARCH", "NSA_BACKEND_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    reset_config()
+    yield
+    reset_config()
+
+
+class Pool:
+    """The parts of SGLang's DSATokenToKVPool / ReqToTokenPool the backend reads."""
+
+    def __init__(self, fp8: bool, page_tables: list[list[int]]):
+        self.page_size = PAGE
+        self.size = NUM_PAGES * PAGE
+        self.start_layer = 0
+        self.dsa_kv_cache_store_fp8 = fp8
+        self.dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        if fp8:
+            self.kv_buffer = [torch.zeros(self.size + PAGE, 1, 656, dtype=torch.uint8)]
+        else:
+            self.kv_buffer = [torch.zeros(self.size + PAGE, 1, D_QK, dtype=torch.bfloat16)]
+        req_to_token = torch.zeros(len(page_tables), MAX_CTX, dtype=torch.int32)
+        for r, pages in enumerate(page_tables):
+            pos = torch.arange(MAX_CTX)
+            req_to_token[r] = torch.tensor(pages, dtype=torch.int32)[pos // PAGE] * PAGE + pos % PAGE
+        self.req_to_token = req_to_token
+
+    def get_key_buffer(self, layer_id):  # the pool hands out its storage viewed as its dtype
+        return self.kv_buffer[layer_id].view(self.dtype)
+
+    def set_mla_kv_buffer(self, layer, loc, k, k_rope):
+        self.kv_buffer[layer.layer_id][loc.long(), 0] = torch.cat(
+            [k.reshape(len(loc), -1), k_rope.reshape(len(loc), -1)], -1
+        ).to(torch.bfloat16)
+
+
+# Request r of the pool owns these (shuffled) pages.
+PAGE_TABLES = [[7, 2, 9], [4, 11, 0], [5, 1, 8], [10, 3, 6]]
+
+
+def make_backend(fp8: bool = True) -> NsaSparseAttnBackend:
+    pool = Pool(fp8, PAGE_TABLES)
+    b = object.__new__(NsaSparseAttnBackend)
+    b.device = "cpu"
+    b.dsa_kv_cache_store_fp8 = fp8
+    b.dsa_index_topk = TOPK
+    b.dsa_index_kpool = 1
+    b.physical_page_size = PAGE
+    b.speculative_num_draft_tokens = DRAFT
+    b.req_to_token_pool = SimpleNamespace(req_to_token=pool.req_to_token, size=len(PAGE_TABLES))
+    b.req_to_token = pool.req_to_token
+    b.token_to_kv_pool = pool
+    b._kv_shard_pool = None
+    b.hisparse_coordinator = None
+    b.dcp_size = 1
+    b._arange_buf = torch.arange(1024, dtype=torch.int32)
+    b.dsa_topk_backend = DSATopKBackend.TORCH
+    b.configure(
+        model_arch="GlmMoeDsaForCausalLM", kv_cache_dtype="fp8_e4m3" if fp8 else "bfloat16", device_arch="cpu"
+    )
+    return b
+
+
+def make_batch(mode: str, req_ids: list[int], seq_lens: list[int], ext_lens: list[int], pool: Pool):
+    """An SGLang ForwardBatch stand-in. ``seq_lens`` include this step's tokens (not the drafts)."""
+    forward_mode = {
+        "prefill": ForwardMode.EXTEND,
+        "mixed": ForwardMode.MIXED,
+        "decode": ForwardMode.DECODE,
+        "verify": ForwardMode.TARGET_VERIFY,
+    }[mode]
+    kv_lens = [s + (DRAFT if mode == "verify" else 0) for s in seq_lens]
+    out_loc = torch.cat(
+        [pool.req_to_token[r, kv - n : kv].long() for r, kv, n in zip(req_ids, kv_lens, ext_lens)]
+    )
+    fb = SimpleNamespace(
+        forward_mode=forward_mode,
+        batch_size=len(req_ids),
+        req_pool_indices=torch.tensor(req_ids, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
+        seq_lens_sum=sum(seq_lens),
+        out_cache_loc=out_loc,
+        global_num_tokens_cpu=None,
+        attn_cp_metadata=None,
+    )
+    if mode in ("prefill", "mixed"):
+        fb.extend_seq_lens = torch.tensor(ext_lens, dtype=torch.int32)
+        fb.extend_seq_lens_cpu = list(ext_lens)
+        fb.extend_prefix_lens_cpu = [s - n for s, n in zip(seq_lens, ext_lens)]
+    return fb
+
+
+BATCHES = {
+    # mode: (requests, seq lens incl. new tokens, new tokens per request)
+    "prefill": ([1, 3], [70, 37], [30, 37]),  # request 1 has a 40-token cached prefix
+    "mixed": ([1, 3], [70, 37], [1, 37]),  # mixed chunk: a decode token next to a prefill
+    "decode": ([0, 2, 3], [130, 9, 64], [1, 1, 1]),
+    "verify": ([2, 0], [100, 17], [DRAFT, DRAFT]),
+}
+
+
+def build(mode: str, fp8: bool = True):
+    b = make_backend(fp8)
+    reqs, lens, ext = BATCHES[mode]
+    fb = make_batch(mode, reqs, lens, ext, b.token_to_kv_pool)
+    b.init_forward_metadata(fb)  # SGLang's own metadata builder
+    return b, fb
+
+
+def keys_per_token(mode: str) -> list[tuple[int, int]]:
+    """(request, visible keys) of every query token, causal."""
+    reqs, lens, ext = BATCHES[mode]
+    out = []
+    for r, s, n in zip(reqs, lens, ext):
+        kv = s + (DRAFT if mode == "verify" else 0)
+        out += [(r, kv - n + j + 1) for j in range(n)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata adapter
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode", "verify"])
+def test_adapter_on_sglang_metadata(mode):
+    b, fb = build(mode)
+    assert type(b.forward_metadata) is sgl_dsa.DSAMetadata
+    md = to_sparse_attn_metadata(b.forward_metadata, mode, fb.out_cache_loc)
+    tokens = keys_per_token(mode)
+    pool = b.token_to_kv_pool
+    reqs, lens, ext = BATCHES[mode]
+    assert md.page_size == PAGE and md.num_tokens == len(tokens)
+    assert torch.equal(md.slot_mapping, fb.out_cache_loc)
+    if mode == "prefill":
+        assert md.decode is None
+        pre = md.prefill
+        expect_slots = torch.cat([pool.req_to_token[r, :s].long() for r, s in zip(reqs, lens)])
+        assert torch.equal(pre.key_slots, expect_slots)
+        starts = [0, *list(torch.tensor(lens).cumsum(0)[:-1].tolist())]
+        ks = [starts[i] for i, n in enumerate(ext) for _ in range(n)]
+        ke = [k + visible for k, (_, visible) in zip(ks, tokens)]
+        assert pre.cu_seq_len_k_start.tolist() == ks and pre.cu_seq_len_k_end.tolist() == ke
+    else:
+        assert md.prefill is None
+        dec = md.decode
+        n = ext[0]
+        assert (dec.num_reqs, dec.next_n) == (len(reqs), n)
+        assert dec.context_lens.tolist() == [
+            [v for _, v in tokens[i * n : (i + 1) * n]] for i in range(len(reqs))
+        ]
+        assert dec.block_table[:, :2].tolist() == [PAGE_TABLES[r][:2] for r in reqs]
+        assert dec.req_ids.tolist() == [i for i in range(len(reqs)) for _ in range(n)]
+
+
+def test_adapter_accepts_indexer_and_nsa_names():
+    b, fb = build("verify")
+    direct = to_sparse_attn_metadata(b.forward_metadata, "verify")
+    wrapped = to_sparse_attn_metadata(b.get_indexer_metadata(0, fb))  # DSAIndexerMetadata, mode guessed
+    assert isinstance(b.get_indexer_metadata(0, fb), DSAIndexerMetadata)
+    fields = {
+        f.name.replace("dsa_", "nsa_", 1) if f.name.startswith("dsa_") else f.name: getattr(
+            b.forward_metadata, f.name
+        )
+        for f in dataclasses.fields(b.forward_metadata)
+    }
+    NSAMetadata = dataclasses.make_dataclass("NSAMetadata", list(fields))  # the pre-rename field names
+    old = to_sparse_attn_metadata(SimpleNamespace(attn_metadata=NSAMetadata(**fields)), "verify")
+    for md in (wrapped, old):
+        assert torch.equal(md.decode.context_lens, direct.decode.context_lens)
+        assert torch.equal(md.decode.block_table, direct.decode.block_table)
+
+
+# ---------------------------------------------------------------------------------------------
+# Top-k transform (what SGLang's indexer calls after computing logits)
+# ---------------------------------------------------------------------------------------------
+
+
+def _ref_topk(row: torch.Tensor, lo: int, hi: int) -> set[int]:
+    k = min(TOPK, hi - lo)
+    return {lo + int(i) for i in torch.topk(row[lo:hi], k).indices}
+
+
+@pytest.mark.parametrize("mode", ["prefill", "mixed", "decode", "verify"])
+def test_topk_transform(mode):
+    b, fb = build(mode)
+    im = b.get_indexer_metadata(0, fb)
+    assert isinstance(im, NsaIndexerMetadata)
+    tokens = keys_per_token(mode)
+    gen = torch.Generator().manual_seed(3)
+    pool = b.token_to_kv_pool
+    if mode == "prefill":
+        assert im.topk_transform_method == TopkTransformMethod.RAGGED
+        ks, ke = b.forward_metadata.indexer_k_start_end
+        logits = torch.randn(len(tokens), int(ke.max()), generator=gen)
+        out = im.topk_transform(logits, TOPK, ks=ks)
+        for i, (_, visible) in enumerate(tokens):
+            got = {int(x) for x in out[i] if x >= 0}
+            assert got == _ref_topk(logits[i], int(ks[i]), int(ks[i]) + visible), i
+    elif mode == "mixed":  # extend rows on the ragged logits, cache slots out
+        assert im.topk_transform_method == TopkTransformMethod.PAGED
+        ks, ke = b.forward_metadata.indexer_k_start_end
+        logits = torch.randn(len(tokens), int(ke.max()), generator=gen)
+        out = im.topk_transform(logits, TOPK, ks=ks)
+        for i, (r, visible) in enumerate(tokens):
+            got = {int(x) for x in out[i] if x >= 0}
+            positions = _ref_topk(logits[i], int(ks[i]), int(ks[i]) + visible)
+            assert got == {int(pool.req_to_token[r, p - int(ks[i])]) for p in positions}, i
+    else:
+        assert im.topk_transform_method == TopkTransformMethod.PAGED
+        logits = torch.randn(len(tokens), MAX_CTX, generator=gen)
+        out = im.topk_transform(logits, TOPK)
+        for i, (r, visible) in enumerate(tokens):
+            got = {int(x) for x in out[i] if x >= 0}
+            expect = {int(pool.req_to_token[r, p]) for p in _ref_topk(logits[i], 0, visible)}
+            assert got == expect, i
+    assert out.dtype == torch.int32 and out.shape == (len(tokens), TOPK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward: sparse MLA over the FP8 / bf16 cache against an independent computation
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_fp8_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Independent reading of the 656-byte fp8_ds_mla layout: 512 e4m3, 4 fp32 scales, 64 bf16."""
+    vals = rows[:, :512].contiguous().view(torch.float8_e4m3fn).float()
+    scales = rows[:, 512:528].contiguous().view(torch.float32)
+    nope = (vals.view(-1, 4, 128) * scales[:, :, None]).view(-1, 512)
+    rope = rows[:, 528:656].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], -1)
+
+
+def _cache_rows(b, slots: torch.Tensor) -> torch.Tensor:
+    buf = b.token_to_kv_pool.kv_buffer[0][:, 0]
+    rows = buf[slots.long()]
+    return _decode_fp8_rows(rows) if b.dsa_kv_cache_store_fp8 else rows.float()
+
+
+def _fill_prefix(b, mode, gen):
+    """Write random latent KV for the keys that were cached before this step."""
+    reqs, lens, ext = BATCHES[mode]
+    pool = b.token_to_kv_pool
+    for r, s, n in zip(reqs, lens, ext):
+        old = s - n if mode in ("prefill", "mixed") else s - (0 if mode == "verify" else 1)
+        if old <= 0:
+            continue
+        slots = pool.req_to_token[r, :old].long()
+        kv = torch.randn(old, D_QK, generator=gen).to(torch.bfloat16)
+        if b.dsa_kv_cache_store_fp8:
+            nsa_backend.write_fp8_ds_mla_cache(kv, pool.kv_buffer[0], slots, "arbitrary")
+        else:
+            pool.kv_buffer[0][slots, 0] = kv
+
+
+@pytest.mark.parametrize(
+    "mode, fp8, paged_prefill",
+    [
+        pytest.param("prefill", True, False, id="prefill-fp8_ds_mla"),
+        pytest.param("prefill", False, False, id="prefill-bf16"),
+        # prefill through a paged-cache-only kernel (FlashInfer's path), here on the reference op
+        pytest.param("prefill", True, True, id="prefill-fp8_ds_mla-paged"),
+        pytest.param("mixed", True, False, id="mixed-fp8_ds_mla"),
+        pytest.param("decode", True, False, id="decode-fp8_ds_mla"),
+        pytest.param("decode", False, False, id="decode-bf16"),
+        pytest.param("verify", True, False, id="verify-fp8_ds_mla"),
+        pytest.param("verify", False, False, id="verify-bf16"),
+    ],
+)
+def test_forward_matches_reference(mode, fp8, paged_prefill, monkeypatch):
+    b, fb = build(mode, fp8)
+    if paged_prefill:
+        monkeypatch.setattr(backend_module, "PAGED_ONLY_IMPLS", frozenset({"reference"}))
+        b.nsa_prefill_impl = "reference"
+    gen = torch.Generator().manual_seed(11)
+    _fill_prefix(b, mode, gen)
+    tokens = keys_per_token(mode)
+    T = len(tokens)
+    if mode == "verify":  # the draft tokens' KV is written by the draft step, before verify
+        kv = torch.randn(T, D_QK, generator=gen).to(torch.bfloat16)
+        if fp8:
+            nsa_backend.write_fp8_ds_mla_cache(
+                kv, b.token_to_kv_pool.kv_buffer[0], fb.out_cache_loc, "arbitrary"
+            )
+        else:
+            b.token_to_kv_pool.kv_buffer[0][fb.out_cache_loc, 0] = kv
+    k_nope = torch.randn(T, 1, D_V, generator=gen).to(torch.bfloat16)
+    k_rope = torch.randn(T, 1, D_ROPE, generator=gen).to(torch.bfloat16)
+    q_nope = torch.randn(T, HEADS, D_V, generator=gen).to(torch.bfloat16)
+    q_rope = torch.randn(T, HEADS, D_ROPE, generator=gen).to(torch.bfloat16)
+    layer = SimpleNamespace(
+        layer_id=0,
+        tp_q_head_num=HEADS,
+        v_head_dim=D_V,
+        head_dim=D_QK,
+        scaling=D_QK**-0.5,
+        is_cross_attention=False,
+        logit_cap=0.0,
+    )
+
+    im = b.get_indexer_metadata(0, fb)
+    if mode in ("prefill", "mixed"):
+        ks, ke = b.forward_metadata.indexer_k_start_end
+        logits = torch.randn(T, int(ke.max()), generator=gen)
+        topk = im.topk_transform(logits, TOPK, ks=ks)
+    else:
+        topk = im.topk_transform(torch.randn(T, MAX_CTX, generator=gen), TOPK)
+
+    write = mode != "verify"
+    args = dict(q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
+    k_in, v_in = (k_nope, k_nope) if write else (None, None)
+    if mode == "decode":
+        out = b.forward_decode(q_nope, k_in, v_in, layer, fb, **args)
+    else:
+        out = b.forward_extend(q_nope, k_in, v_in, layer, fb, **args)
+    assert out.shape == (T, HEADS, D_V) and out.dtype == torch.bfloat16
+
+    # This step's keys landed in their slots (dequantised within e4m3 precision).
+    if write:
+        written = _cache_rows(b, fb.out_cache_loc)
+        fresh = torch.cat([k_nope[:, 0], k_rope[:, 0]], -1).float()
+        assert torch.allclose(written, fresh, atol=0.07 * fresh.abs().max().item(), rtol=0.07)
+
+    # Independent attention: selected slots, softmax over scaled scores, latent values.
+    pool = b.token_to_kv_pool
+    q = torch.cat([q_nope, q_rope], -1).float()
+    md = b.forward_metadata
+    for i, (r, visible) in enumerate(tokens):
+        sel = topk[i][topk[i] >= 0].long()
+        if mode == "prefill":
+            sel = (
+                md.page_table_1_flattened[sel]
+                if md.page_table_1_flattened is not None
+                else torch.cat(
+                    [pool.req_to_token[rr, :s] for rr, s in zip(BATCHES[mode][0], BATCHES[mode][1])]
+                )[sel]
+            )
+        slots = sel.long()
+        assert len(slots) == min(TOPK, visible)
+        assert set(slots.tolist()) <= set(pool.req_to_token[r, :visible].tolist())
+        kv = _cache_rows(b, slots)
+        p = torch.softmax((q[i] @ kv.T) * layer.scaling, dim=-1)
+        ref = p @ kv[:, :D_V]
+        err = (out[i].float() - ref).abs().max().item()
+        assert err <= 2e-2 * max(1.0, ref.abs().max().item()), (mode, i, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's own indexer (decode / MTP verify path) on the routed indexer ops
+# ---------------------------------------------------------------------------------------------
+
+IDX_HEADS, IDX_DIM = 32, 128  # GLM-5's indexer: 32 heads (below some native kernels' minimum)
+
+
+def _read_index_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Independent reading of the page-wise indexer cache: a page holds 64 x 128 e4m3, then 64 fp32."""
+    flat = cache.reshape(cache.shape[0], -1)
+    page, row = slots // PAGE, slots % PAGE
+    vals = torch.stack([flat[p, r * IDX_DIM : (r + 1) * IDX_DIM] for p, r in zip(page, row)])
+    scale_at = PAGE * IDX_DIM + 4 * row
+    scales = (
+        torch.stack([flat[p, a : a + 4] for p, a in zip(page, scale_at)]).contiguous().view(torch.float32)
+    )
+    return vals.view(torch.float8_e4m3fn).float() * scales
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+def test_sglang_indexer_runs_on_routed_ops(mode, monkeypatch):
+    b, fb = build(mode)
+    assert dsa_indexer.resolve_fp8_paged_mqa_logits_fn() is kernels.fp8_paged_mqa_logits
+    assert dsa_indexer.resolve_fp8_mqa_logits_fn() is kernels.fp8_mqa_logits
+    assert sgl_dsa.resolve_paged_mqa_logits_metadata_fn() is kernels.get_paged_mqa_logits_metadata
+    gen = torch.Generator().manual_seed(5)
+    num_pages = NUM_PAGES + 1
+    keys = torch.randn(num_pages * PAGE, IDX_DIM, generator=gen)
+    cache = nsa_backend.pack_indexer_k_cache(keys, PAGE)  # [pages, 64, 1, 132]
+    pool = SimpleNamespace(
+        index_page_size=PAGE, get_index_k_with_scale_buffer=lambda layer_id: cache.view(num_pages, -1)
+    )
+    monkeypatch.setattr(dsa_indexer, "get_token_to_kv_pool", lambda: pool)
+
+    tokens = keys_per_token(mode)
+    ctx = torch.tensor([v for _, v in tokens], dtype=torch.int32).view(-1, 1)
+    schedule = kernels.get_paged_mqa_logits_metadata(ctx, 64, 8)  # what SGLang builds on a GPU
+    object.__setattr__(b.forward_metadata, "paged_mqa_schedule_metadata", schedule)
+    q = torch.randn(len(tokens), IDX_HEADS, IDX_DIM, generator=gen).to(torch.float8_e4m3fn)
+    w = torch.rand(len(tokens), IDX_HEADS, 1, generator=gen)
+    indexer = SimpleNamespace(
+        n_heads=IDX_HEADS,
+        index_topk=TOPK,
+        sm_count=8,
+        paged_mqa_logits_backend=DSAPagedMQALogitsBackend.DEEPGEMM,
+        num_init_tokens=0,
+        num_local_tokens=0,
+        _get_index_k_read_buffer=dsa_indexer.Indexer._get_index_k_read_buffer,
+    )
+    indexer._mask_init_and_local_tokens = dsa_indexer.Indexer._mask_init_and_local_tokens.__get__(indexer)
+    out = dsa_indexer.Indexer._get_topk_paged(indexer, fb, 0, q, w, b.get_indexer_metadata(0, fb))
+
+    req_to_token = b.token_to_kv_pool.req_to_token
+    for i, (r, visible) in enumerate(tokens):
+        slots = req_to_token[r, :visible].long()
+        k = _read_index_cache(cache, slots)
+        logits = (torch.relu(q[i].float() @ k.T) * w[i]).sum(0)
+        expect = {int(slots[j]) for j in torch.topk(logits, min(TOPK, visible)).indices}
+        assert {int(x) for x in out[i] if x >= 0} == expect, (mode, i)
+
+
+def test_multi_step_draft_backend_builds_our_steps(monkeypatch):
+    from nsa_backend_integrations.sglang import plugin
+
+    made = []
+
+    def fake_init(self, runner, *args, **kwargs):
+        made.append(kwargs)
+
+    monkeypatch.setattr(NsaSparseAttnBackend, "__init__", fake_init)
+    multi = plugin.create_draft_decode_backend(object(), 1, 4, seed_dsa_topk_from_draft_extend=True)
+    assert isinstance(multi, backend_module.NsaSparseAttnMultiStepBackend)
+    assert isinstance(multi, sgl_dsa.DeepseekSparseAttnMultiStepBackend)
+    assert all(isinstance(s, NsaSparseAttnBackend) for s in multi.attn_backends)
+    assert [m["speculative_step_id"] for m in made] == [0, 1, 2]
+    assert all(m["topk"] == 1 and m["speculative_num_steps"] == 4 for m in made)
+    assert all(m["seed_dsa_topk_from_draft_extend"] for m in made)

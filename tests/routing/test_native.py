@@ -1,0 +1,470 @@
+"""Argument translation of the native wrappers, checked on CPU against fake DeepGEMM / FlashMLA /
+FlashInfer modules that record their arguments and compute with the plain-PyTorch reference."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from nsa_backend import reference, routing
+from nsa_backend.native import deep_gemm as dg_wrap
+from nsa_backend.native import flash_mla as fm_wrap
+from nsa_backend.native import flashinfer as fi_wrap
+from nsa_backend.routing import capabilities as caps
+from nsa_backend.routing import router
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def on_arch(monkeypatch):
+    """Make CPU tensors route as if they lived on ``arch`` (the wrappers ask routing for padding)."""
+    def set_arch(arch: str):
+        monkeypatch.setattr(router, "hardware_arch", lambda device: arch)
+        router.padded_heads.cache_clear()
+    return set_arch
+
+
+def _install(monkeypatch, name: str, module: types.ModuleType, version: str | None):
+    monkeypatch.setitem(sys.modules, name, module)
+    status = {name: caps.NativeStatus(name, True, version)}
+    routing.set_native_status(status)
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepGEMM
+# ----------------------------------------------------------------------------------------------
+
+class FakeDeepGEMM(types.ModuleType):
+    """A DeepGEMM module exposing what the release ``api`` exports; ``declared`` is its ``__version__``
+    (upstream 2.2+ declares one, forks declare their own numbering, 2.0 - 2.1 none)."""
+
+    def __init__(self, api: str, declared: str | None = "same"):
+        super().__init__("deep_gemm")
+        if declared == "same":
+            declared = api if api >= "2.2" else None
+        if declared is not None:
+            self.__version__ = declared
+        self.api = api
+        self.calls: list[tuple[str, dict]] = []
+        if api >= "2.3":
+            self.tf32_hc_prenorm_gemm = self._tf32_hc_prenorm_gemm
+        if api >= "2.4":
+            self.fp8_fp4_paged_mqa_logits = self.fp8_paged_mqa_logits
+        if api >= "2.6":
+            self.bf16_mega_moe = object()
+
+    def fp8_mqa_logits(self, q, kv, weights, ks, ke, clean_logits=True, max_seqlen_k=0):
+        self.calls.append(("fp8_mqa_logits", {"heads": q.shape[1], "weights": weights, "clean": clean_logits}))
+        assert not (clean_logits and max_seqlen_k > 0), "DeepGEMM asserts this"
+        return reference.fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits, max_seqlen_k)
+
+    def get_paged_mqa_logits_metadata(self, context_lens, block_kv, num_sms):
+        self.calls.append(("metadata", {"ndim": context_lens.dim(), "ctx": context_lens.clone()}))
+        if self.api >= "2.4":
+            assert context_lens.dim() == 2
+        return torch.zeros(num_sms + 1, 2, dtype=torch.int32)
+
+    def fp8_paged_mqa_logits(self, q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                             max_context_len, clean_logits=False):
+        self.calls.append(("paged", {"heads": q.shape[2], "ndim": context_lens.dim(), "clean": clean_logits,
+                                     "ctx": context_lens.clone()}))
+        if clean_logits:
+            assert context_lens.dim() == 1, "DeepGEMM cleans only 1-D lengths"
+        out = reference.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                             max_context_len, clean_logits)
+        if not clean_logits:   # unclean entries are unspecified: poison them
+            out = torch.nan_to_num(out, neginf=12345.0)
+        return out
+
+    def _tf32_hc_prenorm_gemm(self, a, b, d, sqr_sum, num_splits):
+        self.calls.append(("hc", {"num_splits": num_splits}))
+        reference.tf32_hc_prenorm_gemm(a, b, d, sqr_sum, num_splits)
+
+
+def _indexer_inputs(s=5, n=40, h=16, d=64):
+    q = torch.randn(s, h, d).to(FP8)
+    k = torch.randn(n, d).to(FP8)
+    k_scale = torch.rand(n) + 0.1
+    weights = torch.randn(s, h)
+    ks = torch.tensor([0, 3, 5, 10, 0][:s], dtype=torch.int32)
+    ke = torch.tensor([7, 20, 30, 40, 40][:s], dtype=torch.int32)
+    return q, (k, k_scale), weights, ks, ke
+
+
+@pytest.mark.parametrize(("arch", "version", "padded"), [("sm90", "2.6.1", 32), ("sm100", "2.6.1", 16),
+                                                         ("sm100", "2.3.0", 64)])
+def test_deep_gemm_ragged_pads_heads_with_zero_weights(monkeypatch, on_arch, arch, version, padded):
+    fake = FakeDeepGEMM(version)
+    _install(monkeypatch, "deep_gemm", fake, version)
+    dg_wrap._module.cache_clear()
+    on_arch(arch)
+    q, kv, w, ks, ke = _indexer_inputs(h=16)
+    out = dg_wrap.fp8_mqa_logits(q, kv, w, ks, ke, True, 0)
+    rec = fake.calls[-1][1]
+    assert rec["heads"] == padded
+    assert torch.count_nonzero(rec["weights"][:, 16:]) == 0
+    assert torch.equal(out, reference.fp8_mqa_logits(q, kv, w, ks, ke, True, 0))
+
+
+def test_deep_gemm_compressed_clean_is_masked_here(monkeypatch, on_arch):
+    fake = FakeDeepGEMM("2.6.1")
+    _install(monkeypatch, "deep_gemm", fake, "2.6.1")
+    dg_wrap._module.cache_clear()
+    on_arch("sm90")
+    q, kv, w, ks, ke = _indexer_inputs(h=32)
+    out = dg_wrap.fp8_mqa_logits(q, kv, w, ks, ke, True, 40)
+    assert fake.calls[-1][1]["clean"] is False
+    ref = reference.fp8_mqa_logits(q, kv, w, ks, ke, True, 40)
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    assert torch.allclose(out[~torch.isinf(ref)], ref[~torch.isinf(ref)])
+
+
+def _paged_inputs(b=2, next_n=2, h=16, d=64, block_kv=64):
+    ctx = torch.tensor([70, 9], dtype=torch.int32)[:b]
+    keys = torch.randn(150, d)
+    cache = reference.pack_indexer_k_cache(keys, block_kv)      # 3 pages
+    block_table = torch.tensor([[0, 1, 2], [2, 1, 0]], dtype=torch.int32)[:b]
+    q = torch.randn(b, next_n, h, d).to(FP8)
+    w = torch.randn(b * next_n, h)
+    return q, cache, w, ctx, block_table
+
+
+@pytest.mark.parametrize(("version", "declared"), [("2.6.1", "same"), ("2.3.0", "same"), ("2.6", "0.2.3.post2")],
+                         ids=["2.6", "2.3", "sgl-deep-gemm"])
+def test_deep_gemm_paged_1d_lengths(monkeypatch, on_arch, version, declared):
+    fake = FakeDeepGEMM(version, declared)
+    _install(monkeypatch, "deep_gemm", fake, version)
+    dg_wrap._module.cache_clear()
+    on_arch("sm90")
+    q, cache, w, ctx, bt = _paged_inputs()
+    meta = dg_wrap.get_paged_mqa_logits_metadata(ctx, 64, 8)
+    out = dg_wrap.fp8_paged_mqa_logits(q, cache, w, ctx, bt, meta, 80, True)
+    ref = reference.fp8_paged_mqa_logits(q, cache, w, ctx, bt, meta, 80, True)
+    assert torch.equal(out, ref)
+    paged = [rec for name, rec in fake.calls if name == "paged"][-1]
+    assert paged["heads"] == 32
+    if version >= "2.4":
+        # 1-D lengths become exclusive per-row limits, the schedule is rebuilt for them, and the
+        # -inf mask is written by the wrapper.
+        assert paged["ndim"] == 2 and paged["clean"] is False
+        assert paged["ctx"].tolist() == [[69, 70], [8, 9]]
+        assert [rec["ndim"] for name, rec in fake.calls if name == "metadata"] == [2, 2]
+    else:
+        assert paged["ndim"] == 1 and paged["clean"] is True
+
+
+def test_deep_gemm_paged_2d_lengths_on_1d_release(monkeypatch, on_arch):
+    fake = FakeDeepGEMM("2.1")
+    _install(monkeypatch, "deep_gemm", fake, None)
+    dg_wrap._module.cache_clear()
+    on_arch("sm90")
+    q, cache, w, ctx, bt = _paged_inputs(next_n=1)
+    ctx2 = ctx.view(-1, 1)
+    meta = dg_wrap.get_paged_mqa_logits_metadata(ctx2, 64, 8)
+    out = dg_wrap.fp8_paged_mqa_logits(q, cache, w, ctx2, bt, meta, 80, True)
+    assert fake.calls[-1][1]["ndim"] == 1
+    assert torch.equal(out, reference.fp8_paged_mqa_logits(q, cache, w, ctx2, bt, meta, 80, True))
+    q2, cache, w2, _, _ = _paged_inputs(next_n=2)
+    with pytest.raises(ValueError, match="next_n == 1"):
+        dg_wrap.fp8_paged_mqa_logits(q2, cache, w2, torch.tensor([[5, 6], [7, 8]], dtype=torch.int32), bt,
+                                     meta, 80, False)
+
+
+def test_deep_gemm_api_version_of_forks():
+    assert caps.deep_gemm_api_version(FakeDeepGEMM("2.6", "0.2.3.post2")) == "2.6"
+    assert caps.deep_gemm_api_version(FakeDeepGEMM("2.4", "0.1.7")) == "2.4"
+    assert caps.deep_gemm_api_version(FakeDeepGEMM("2.3.0")) == "2.3.0"
+    assert caps.deep_gemm_api_version(FakeDeepGEMM("2.1")) == "2.1"
+    status = caps.NativeStatus("deep_gemm", True, "0.2.3.post2", api_version="2.6")
+    verdict = caps.evaluate("fp8_mqa_logits", "deep_gemm", "sm100", {"num_heads": 16, "head_dim": 128},
+                            {"deep_gemm": status})
+    assert verdict.ok and not verdict.padded
+
+
+def test_deep_gemm_hc_prenorm_passes_num_splits_positionally(monkeypatch):
+    fake = FakeDeepGEMM("2.6.1")
+    _install(monkeypatch, "deep_gemm", fake, "2.6.1")
+    dg_wrap._module.cache_clear()
+    a = torch.randn(4, 128).to(torch.bfloat16)
+    b = torch.randn(24, 128)
+    d = torch.empty(2, 4, 24)
+    s = torch.empty(2, 4)
+    dg_wrap.tf32_hc_prenorm_gemm(a, b, d, s, 2)
+    assert fake.calls[-1] == ("hc", {"num_splits": 2})
+    assert torch.allclose(d.sum(0), a.float() @ b.T, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashMLA
+# ----------------------------------------------------------------------------------------------
+
+def _make_flash_mla(with_legacy: bool) -> types.ModuleType:
+    mod = types.ModuleType("flash_mla")
+    mod.__version__ = "1.0.0"
+    mod.calls = []
+
+    def sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, **kw):
+        mod.calls.append(("prefill", {"heads": q.shape[1], "topk": indices.shape[-1], **kw}))
+        return reference.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+
+    def with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits=None,
+                     softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None, attn_sink=None,
+                     topk_length=None, **kw):
+        mod.calls.append(("decode", {"heads": q.shape[2], "cache_dim": k_cache.dim(), "fp8": is_fp8_kvcache,
+                                     "indices": indices.clone(), **kw}))
+        assert sched == "sched" and block_table is None and not causal
+        return reference.sparse_mla_decode(q, k_cache, indices, softmax_scale, head_dim_v, "fp8_ds_mla",
+                                           attn_sink, topk_length)
+
+    if with_legacy:
+        def sparse_fwd_legacy(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
+                              use_legacy=False, return_log2_lse=None):
+            return sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, use_legacy=use_legacy)
+
+        def with_kvcache_legacy(q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits=None,
+                                softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None,
+                                attn_sink=None, topk_length=None, use_legacy=False):
+            return with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits,
+                                softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
+                                use_legacy=use_legacy)
+        mod.flash_mla_sparse_fwd, mod.flash_mla_with_kvcache = sparse_fwd_legacy, with_kvcache_legacy
+    else:
+        def sparse_fwd_upstream(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+            return sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+
+        def with_kvcache_upstream(q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits=None,
+                                  softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
+                                  attn_sink=None, topk_length=None):
+            return with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits,
+                                softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length)
+        mod.flash_mla_sparse_fwd, mod.flash_mla_with_kvcache = sparse_fwd_upstream, with_kvcache_upstream
+    mod.get_mla_metadata = lambda *a, **k: ("sched", None)
+    return mod
+
+
+@pytest.fixture
+def flash_mla_module(monkeypatch):
+    def install(with_legacy: bool):
+        mod = _make_flash_mla(with_legacy)
+        _install(monkeypatch, "flash_mla", mod, "1.0.0")
+        fm_wrap._module.cache_clear()
+        fm_wrap._has_use_legacy.cache_clear()
+        return mod
+    yield install
+    fm_wrap._module.cache_clear()
+    fm_wrap._has_use_legacy.cache_clear()
+
+
+@pytest.mark.parametrize("with_legacy", [True, False], ids=["sgl-flash-mla", "upstream"])
+def test_flash_mla_prefill_translation(flash_mla_module, on_arch, with_legacy):
+    mod = flash_mla_module(with_legacy)
+    on_arch("sm90")
+    s_q, s_kv, h, d_qk, topk = 3, 50, 16, 576, 40
+    q = torch.randn(s_q, h, d_qk).to(torch.bfloat16)
+    kv = torch.randn(s_kv, 1, d_qk).to(torch.bfloat16)
+    idx = torch.randint(-1, s_kv + 5, (s_q, 1, topk), dtype=torch.int32)
+    sink = torch.randn(h)
+    out = fm_wrap.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, sink, None)
+    ref = reference.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, sink, None)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5, equal_nan=True)
+    call = mod.calls[-1][1]
+    assert call["heads"] == 64 and call["topk"] == 128
+    assert call.get("use_legacy") is (True if with_legacy else None)
+
+
+def test_flash_mla_prefill_current_kernels_for_v4_on_sm100(flash_mla_module, on_arch, monkeypatch):
+    mod = flash_mla_module(True)
+    on_arch("sm100")
+    monkeypatch.setattr(fm_wrap, "_device_major", lambda device: 10)
+    q = torch.randn(2, 64, 512).to(torch.bfloat16)
+    kv = torch.randn(10, 1, 512).to(torch.bfloat16)
+    idx = torch.zeros(2, 1, 128, dtype=torch.int32)
+    fm_wrap.flash_mla_sparse_fwd(q, kv, idx, 0.1, 512, None, None)
+    assert mod.calls[-1][1]["use_legacy"] is False   # current kernels: no use_legacy passed
+
+
+def _ds_mla_cache(num_blocks=2, page=64, filled=100):
+    kv = torch.randn(filled, 576).to(torch.bfloat16)
+    cache = torch.zeros(num_blocks * page, 656, dtype=torch.uint8)
+    cache[:filled] = reference.pack_fp8_ds_mla(kv, "arbitrary")
+    return cache.view(num_blocks, page, 656)
+
+
+def test_flash_mla_decode_translation(flash_mla_module, on_arch):
+    mod = flash_mla_module(True)
+    on_arch("sm90")
+    cache = _ds_mla_cache()
+    b, s_q, h, topk = 2, 1, 16, 48
+    q = torch.randn(b, s_q, h, 576).to(torch.bfloat16)
+    idx = torch.randint(-3, 140, (b, s_q, topk), dtype=torch.int32)   # includes slots >= 128 (invalid)
+    tl = torch.tensor([48, 20], dtype=torch.int32)
+    out, lse = fm_wrap.sparse_mla_decode(q, cache, idx, 0.05, 512, "fp8_ds_mla", None, tl)
+    ref_out, ref_lse = reference.sparse_mla_decode(q, cache, idx, 0.05, 512, "fp8_ds_mla", None, tl)
+    assert torch.allclose(out.float(), ref_out.float(), atol=1e-2) and torch.allclose(lse, ref_lse, atol=1e-4)
+    call = mod.calls[-1][1]
+    assert call["heads"] == 64 and call["cache_dim"] == 4 and call["fp8"] is True and call["use_legacy"] is True
+    sent = call["indices"]
+    assert sent.shape[-1] == 64 and int(sent.max()) < 128 and int(sent.min()) == -1
+    with pytest.raises(ValueError, match="fp8_ds_mla cache only"):
+        fm_wrap.sparse_mla_decode(q, cache, idx, 0.05, 512, "bf16", None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashInfer
+# ----------------------------------------------------------------------------------------------
+
+def _make_flashinfer(natural_lse: bool) -> types.ModuleType:
+    mla = types.ModuleType("flashinfer.mla")
+    mla.calls = []
+
+    def decode(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+               block_tables, seq_lens, max_seq_len, sparse_mla_top_k=0, out=None, bmm1_scale=1.0,
+               bmm2_scale=1.0, sinks=None, return_lse=False, kv_scale_format="auto", **kw):
+        mla.calls.append({"heads": query.shape[2], "kv_scale_format": kv_scale_format, "cache_dim": kv_cache.dim(),
+                          "seq_lens": seq_lens, "topk": sparse_mla_top_k, "block_tables": block_tables, **kw})
+        assert bmm2_scale == 1.0 and return_lse and kv_lora_rank == 512 and qk_rope_head_dim == 64
+        b, s_q, h, _ = query.shape
+        tl = seq_lens[:, 0] if seq_lens is not None else None
+        o, lse = reference.sparse_mla_decode(query, kv_cache, block_tables, bmm1_scale, 512, "fp8_ds_mla",
+                                             sinks[0] if sinks else None, tl)
+        lse = lse.permute(0, 2, 1).reshape(b * s_q, h)
+        if kw.get("return_lse_base") != "basee":
+            lse = lse / math.log(2.0)
+        return o.reshape(b * s_q, h, 512), lse
+
+    if natural_lse:
+        mla.trtllm_batch_decode_with_kv_cache_mla = decode
+    else:
+        def decode_old(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+                       block_tables, seq_lens, max_seq_len, sparse_mla_top_k=0, out=None, bmm1_scale=1.0,
+                       bmm2_scale=1.0, sinks=None, return_lse=False, kv_scale_format="auto"):
+            return decode(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+                          block_tables, seq_lens, max_seq_len, sparse_mla_top_k, out, bmm1_scale, bmm2_scale,
+                          sinks, return_lse, kv_scale_format)
+        mla.trtllm_batch_decode_with_kv_cache_mla = decode_old
+    pkg = types.ModuleType("flashinfer")
+    pkg.__version__ = "0.7.2"
+    pkg.mla = mla
+    return pkg
+
+
+@pytest.mark.parametrize("natural_lse", [True, False], ids=["return_lse_base", "base2-release"])
+def test_flashinfer_decode_translation(monkeypatch, on_arch, natural_lse):
+    pkg = _make_flashinfer(natural_lse)
+    monkeypatch.setitem(sys.modules, "flashinfer", pkg)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", pkg.mla)
+    routing.set_native_status({"flashinfer": caps.NativeStatus("flashinfer", True, "0.7.2")})
+    fi_wrap._decode_fn.cache_clear()
+    fi_wrap._accepts.cache_clear()
+    on_arch("sm120")
+    monkeypatch.setattr(fi_wrap, "_workspace", lambda device: torch.zeros(16, dtype=torch.uint8))
+    cache = _ds_mla_cache()
+    b, s_q, h, topk = 2, 2, 12, 128
+    q = torch.randn(b, s_q, h, 576).to(torch.bfloat16)
+    idx = torch.randint(0, 100, (b, s_q, topk), dtype=torch.int32)
+    idx[1, 1] = -1                      # a row with no valid index: out 0, lse +inf
+    idx[0, 0, :5] = 500                 # out of the cache: invalid
+    sink = torch.randn(h)
+    tl = torch.tensor([128, 100], dtype=torch.int32)
+    out, lse = fi_wrap.sparse_mla_decode(q, cache.unsqueeze(2), idx, 0.05, 512, "fp8_ds_mla", sink, tl)
+    ref_out, ref_lse = reference.sparse_mla_decode(q, cache, idx, 0.05, 512, "fp8_ds_mla", sink, tl)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert torch.allclose(out.float(), ref_out.float(), atol=1e-2)
+    assert torch.allclose(lse, ref_lse, atol=1e-4)
+    assert torch.isinf(lse[1, :, 1]).all() and out[1, 1].abs().max() == 0
+    call = pkg.mla.calls[-1]
+    assert call["heads"] == 16 and call["cache_dim"] == 3 and call["topk"] == topk
+    assert call["kv_scale_format"] == "arbitrary_fp32"
+    assert call["seq_lens"].shape == (b, s_q)
+    assert int(call["block_tables"][0, 0, :5].max()) == -1
+    fi_wrap.set_kv_scale_format("pow2")
+    try:
+        fi_wrap.sparse_mla_decode(q, cache, idx, 0.05, 512, "fp8_ds_mla", None, None)
+        assert pkg.mla.calls[-1]["kv_scale_format"] == "pow2_fp32"
+    finally:
+        fi_wrap.set_kv_scale_format("arbitrary")
+    with pytest.raises(ValueError, match="scale_format"):
+        fi_wrap.set_kv_scale_format("ue8m0")
+
+
+def test_wrappers_take_the_public_signatures():
+    import nsa_backend as nb
+
+    pairs = [(dg_wrap.fp8_mqa_logits, nb.fp8_mqa_logits), (dg_wrap.fp8_paged_mqa_logits, nb.fp8_paged_mqa_logits),
+             (dg_wrap.get_paged_mqa_logits_metadata, nb.get_paged_mqa_logits_metadata),
+             (dg_wrap.tf32_hc_prenorm_gemm, nb.tf32_hc_prenorm_gemm),
+             (fm_wrap.flash_mla_sparse_fwd, nb.flash_mla_sparse_fwd), (fm_wrap.sparse_mla_decode, nb.sparse_mla_decode),
+             (fi_wrap.sparse_mla_decode, nb.sparse_mla_decode)]
+    for native, public in pairs:
+        want = [p for p in inspect.signature(public).parameters if p != "impl"]
+        assert list(inspect.signature(native).parameters) == want, native.__qualname__
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the real packages' Python signatures (where they import, e.g. scripts/sglang-env.sh)
+# ----------------------------------------------------------------------------------------------
+
+def test_calls_bind_to_real_flashinfer_signature(monkeypatch, on_arch):
+    mla = pytest.importorskip("flashinfer.mla")
+    real = inspect.signature(mla.trtllm_batch_decode_with_kv_cache_mla)
+    seen = {}
+
+    def checked(**kwargs):
+        seen.update(real.bind(**kwargs).arguments)
+        b, s_q, h, _ = kwargs["query"].shape
+        return torch.zeros(b * s_q, h, 512, dtype=torch.bfloat16), torch.zeros(b * s_q, h)
+
+    fi_wrap._accepts.cache_clear()
+    monkeypatch.setattr(fi_wrap, "_decode_fn", lambda: checked)
+    monkeypatch.setattr(fi_wrap, "_accepts", lambda p: p in real.parameters)
+    monkeypatch.setattr(fi_wrap, "_workspace", lambda device: torch.zeros(16, dtype=torch.uint8))
+    routing.set_native_status({"flashinfer": caps.NativeStatus("flashinfer", True, "0.7.2")})
+    on_arch("sm120")
+    q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+    fi_wrap.sparse_mla_decode(q, _ds_mla_cache(), torch.zeros(1, 1, 128, dtype=torch.int32), 0.1, 512,
+                              "fp8_ds_mla", torch.zeros(16), torch.tensor([5], dtype=torch.int32))
+    assert seen["sparse_mla_top_k"] == 128 and seen["kv_scale_format"] == "arbitrary_fp32"
+    assert seen["return_lse_base"] == "basee"
+
+
+def test_calls_bind_to_real_deep_gemm_signatures(monkeypatch, on_arch):
+    dg = pytest.importorskip("deep_gemm")
+    names = ("fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "tf32_hc_prenorm_gemm")
+    try:
+        sigs = {name: inspect.signature(getattr(dg, name)) for name in names}
+    except (TypeError, ValueError):
+        pytest.skip("this DeepGEMM exposes C functions without Python signatures")
+    calls = {}
+
+    class Checked(types.ModuleType):
+        def __getattr__(self, name):
+            def call(*args):
+                calls[name] = sigs[name].bind(*args).arguments
+                if name == "get_paged_mqa_logits_metadata":
+                    return torch.zeros(args[2] + 1, 2, dtype=torch.int32)
+                if name == "fp8_paged_mqa_logits":
+                    return torch.zeros(args[0].shape[0] * args[0].shape[1], args[6])
+                if name == "fp8_mqa_logits":
+                    return torch.zeros(args[0].shape[0], args[6] or args[1][0].shape[0])
+                return None
+            return call
+
+    module = Checked("deep_gemm")
+    module.__version__ = caps.deep_gemm_api_version(dg)
+    monkeypatch.setattr(dg_wrap, "_module", lambda: module)
+    routing.set_native_status({"deep_gemm": caps.NativeStatus("deep_gemm", True, module.__version__)})
+    on_arch("sm90")
+    q, kv, w, ks, ke = _indexer_inputs(h=32)
+    dg_wrap.fp8_mqa_logits(q, kv, w, ks, ke, True, 0)
+    qp, cache, wp, ctx, bt = _paged_inputs()
+    meta = dg_wrap.get_paged_mqa_logits_metadata(ctx, 64, 8)
+    dg_wrap.fp8_paged_mqa_logits(qp, cache, wp, ctx, bt, meta, 80, True)
+    dg_wrap.tf32_hc_prenorm_gemm(torch.zeros(2, 64), torch.zeros(8, 64), torch.zeros(2, 8), torch.zeros(2), None)
+    assert set(calls) == set(names)
