@@ -10,10 +10,10 @@
 | NSA_BACKEND_PREFILL | str | unset | implementation for sparse MLA prefill |
 | NSA_BACKEND_DECODE | str | unset | implementation for sparse MLA decode |
 | NSA_BACKEND_HC_PRENORM | str | unset | implementation for the mHC pre-norm GEMM |
-| NSA_BACKEND_SGLANG_TAKEOVER | bool | ``0`` | serve SGLang's ``dsa``/``nsa`` names (and DeepSeek-V4's DeepGEMM calls) with nsa-backend |
-| NSA_BACKEND_VLLM_TAKEOVER | str | ``off`` | ``off``, ``auto``, ``on`` or comma-separated vLLM sparse-MLA backend names to serve |
+| NSA_BACKEND_SGLANG_TAKEOVER | bool | ``0`` | serve SGLang's ``dsa``/``nsa`` names with nsa-backend |
+| NSA_BACKEND_VLLM_TAKEOVER | str | ``off`` | ``off``, ``auto``, ``on`` or vLLM sparse-MLA backend names |
 | NSA_BACKEND_VLLM_INDEXER | str | ``auto`` | replace vLLM's ``SparseAttnIndexer`` (``auto``/``on``/``off``) |
-| NSA_BACKEND_VLLM_HC_PRENORM | str | ``auto`` | route vLLM's mHC pre-norm GEMM to nsa-backend (``auto``/``on``/``off``) |
+| NSA_BACKEND_VLLM_HC_PRENORM | str | ``auto`` | route vLLM's mHC pre-norm GEMM to nsa-backend |
 | NSA_BACKEND_CACHE | path | ``~/.cache/nsa-backend`` | where the test scripts keep their virtual environments |
 """
 

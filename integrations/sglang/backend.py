@@ -22,9 +22,6 @@ import logging
 from typing import Any
 
 import torch
-from nsa_backend_integrations.sglang import kernels
-from nsa_backend_integrations.sglang.metadata import field, mode_of_forward, to_sparse_attn_metadata
-from nsa_backend_integrations.sglang.settings import check_impl_choice
 from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
 from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
 from sglang.srt.layers.attention.dsa_backend import (
@@ -37,6 +34,9 @@ import nsa_backend
 from nsa_backend.dsa import TopkSelection, dsa_sparse_attention
 from nsa_backend.routing import set_active_model
 from nsa_backend.routing.validate import CHOICE_TO_IMPL
+from nsa_backend_integrations.sglang import kernels
+from nsa_backend_integrations.sglang.metadata import field, mode_of_forward, to_sparse_attn_metadata
+from nsa_backend_integrations.sglang.settings import check_impl_choice
 
 logger = logging.getLogger("nsa_backend.sglang")
 

@@ -17,10 +17,6 @@ import pytest
 pytest.importorskip("sglang")
 
 import torch
-from nsa_backend_integrations.sglang import backend as backend_module
-from nsa_backend_integrations.sglang import kernels
-from nsa_backend_integrations.sglang.backend import NsaIndexerMetadata, NsaSparseAttnBackend
-from nsa_backend_integrations.sglang.metadata import to_sparse_attn_metadata
 from sglang.srt.layers.attention import dsa_backend as sgl_dsa
 from sglang.srt.layers.attention.dsa import dsa_indexer
 from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
@@ -29,6 +25,10 @@ from sglang.srt.layers.attention.dsa.paged_mqa_logits_backend import DSAPagedMQA
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 import nsa_backend
+from nsa_backend_integrations.sglang import backend as backend_module
+from nsa_backend_integrations.sglang import kernels
+from nsa_backend_integrations.sglang.backend import NsaIndexerMetadata, NsaSparseAttnBackend
+from nsa_backend_integrations.sglang.metadata import to_sparse_attn_metadata
 
 PAGE = 64
 TOPK = 16

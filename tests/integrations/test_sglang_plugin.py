@@ -19,9 +19,8 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from nsa_backend_integrations.sglang import plugin
-
 from nsa_backend.routing import ImplChoiceError, reset_config, validate_impl_choice
+from nsa_backend_integrations.sglang import plugin
 
 GLM5_CONFIG = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -149,8 +148,9 @@ def registered():
 
 
 def test_takeover_serves_builtin_names(registered, monkeypatch):
-    from nsa_backend_integrations.sglang import kernels
     from sglang.srt.layers.attention import attention_registry
+
+    from nsa_backend_integrations.sglang import kernels
 
     monkeypatch.setattr(attention_registry, "ATTENTION_BACKENDS", dict(attention_registry.ATTENTION_BACKENDS))
     monkeypatch.setattr(plugin, "_registered", False)
@@ -295,9 +295,9 @@ def test_deep_gemm_calls_routed_for_dsv4(monkeypatch):
     import types
 
     import torch
-    from nsa_backend_integrations.sglang import kernels
 
     import nsa_backend
+    from nsa_backend_integrations.sglang import kernels
 
     fake = types.ModuleType("deep_gemm")
     fake.fp8_mqa_logits = lambda *args, **kwargs: "native"
