@@ -150,7 +150,8 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     -------
     torch.Tensor
         ``int32`` ``[num_sms + 1, 2]``: the ``(request, segment)`` where each worker starts, then
-        the end sentinel ``(B, 0)``. Segments are 256 keys long.
+        the end sentinel ``(B, 0)``. Segments are 256 keys long; a 2-D ``context_lens`` is
+        scheduled by its last column (the longest row of a causal request), as DeepGEMM does.
     """
     dims: dict[str, int] = {}
     _check_context_lens(context_lens, dims, None)

@@ -70,7 +70,7 @@ def fp8_mqa_logits(
     src = ks + j  # [S, max_seqlen_k]
     valid = (src < ke) & (src < N)
     out = torch.full((S, max_seqlen_k), float("-inf"), dtype=torch.float32, device=q.device)
-    gathered = torch.gather(logits, 1, src.clamp(max=max(N - 1, 0))) if N > 0 else out
+    gathered = torch.gather(logits, 1, src.clamp(0, max(N - 1, 0))) if N > 0 else out
     return torch.where(valid, gathered, out)
 
 

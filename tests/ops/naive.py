@@ -199,9 +199,9 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table,
 
 
 def schedule_segments(context_lens: torch.Tensor) -> list[int]:
-    """Segments (of 256 keys) of each request; a 2-D ``context_lens`` counts its longest row."""
+    """Segments (of 256 keys) of each request; a 2-D ``context_lens`` counts its last row (DeepGEMM)."""
     ctx = context_lens.tolist()
-    lens = [max(row) if row else 0 for row in ctx] if context_lens.dim() == 2 else ctx
+    lens = [row[-1] if row else 0 for row in ctx] if context_lens.dim() == 2 else ctx
     return [(max(n, 0) + SCHEDULE_SEGMENT - 1) // SCHEDULE_SEGMENT for n in lens]
 
 

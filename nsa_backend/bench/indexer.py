@@ -1,0 +1,295 @@
+"""Benchmark of the lightning-indexer logits: ragged (prefill) and paged (decode).
+
+Shapes (full mode; quick mode keeps the smallest of each):
+
+- ragged ``fp8_mqa_logits``: ``S = 4096`` queries at the end of ``N`` in {8K, 16K, 32K, 64K}
+  causal keys (row ``i`` sees keys ``[0, N - S + i]``), ``H`` in {64, 32}, ``D = 128``. Useful
+  FLOPs are ``2 * H * D * (valid query-key pairs)``; the ratio ``vs_fp8_mm`` divides by the
+  ``torch._scaled_mm`` fp8 rate measured in the same run.
+- paged ``fp8_paged_mqa_logits``: ``B = 128`` requests of ``L`` in {4K, 8K, 16K, 32K, 64K}
+  tokens, ``next_n`` in {1, 2}, ``H = 64``, ``D = 128``, page 64, pages in random order. The rate
+  is bytes of the KV cache read (``B * L * (D + 4)``) per second; ``vs_copy`` divides it by the
+  device-to-device copy rate (bytes read + written) measured in the same run.
+
+Baselines: ``torch``, a vectorised plain-torch implementation (dequantise + bf16 matmul, chunked
+over keys) of the kind that runs where no native kernel exists (SM120 today), and ``deep_gemm``
+when the package imports. Rows of baselines carry ``ratios["triton_speedup"]`` = baseline ms /
+Triton ms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import nsa_backend as nb
+from nsa_backend.bench.timing import bench_ms, gbps, tflops
+
+FP8 = torch.float8_e4m3fn
+FAMILY = "indexer"
+WARMUP_MS, REP_MS = 10.0, 40.0
+
+
+def _row(op: str, shape: dict[str, Any], impl: str, ms: float | None, flops: float | None = None,
+         nbytes: float | None = None, **ratios: float | None) -> dict[str, Any]:
+    return {"family": FAMILY, "op": op, "shape": shape, "impl": impl, "ms": ms, "tflops": tflops(flops, ms),
+            "gbps": gbps(nbytes, ms), "ratios": {k: v for k, v in ratios.items() if v is not None}}
+
+
+def _time(fn) -> tuple[float | None, str | None]:
+    try:
+        return bench_ms(fn, WARMUP_MS, REP_MS), None
+    except Exception as exc:  # a failing implementation is reported, the others still run
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def torch_ragged_logits(q, kv, w, ks, ke, chunk: int = 8192) -> torch.Tensor:
+    """Vectorised torch fallback: bf16 matmul of dequantised q and k, chunked over keys."""
+    k, k_scale = kv
+    S, H, D = q.shape
+    N = k.shape[0]
+    qb = q.to(torch.bfloat16).view(S * H, D)
+    out = torch.empty(S, N, dtype=torch.float32, device=q.device)
+    for n0 in range(0, N, chunk):
+        s = (qb @ k[n0:n0 + chunk].to(torch.bfloat16).T).float().relu_().view(S, H, -1)  # [S, H, n]
+        out[:, n0:n0 + chunk] = torch.einsum("shn,sh->sn", s, w) * k_scale[n0:n0 + chunk]
+    cols = torch.arange(N, device=q.device)[None, :]
+    return out.masked_fill_((cols < ks[:, None]) | (cols >= ke[:, None]), float("-inf"))
+
+
+def torch_paged_logits(q, kv_cache, w, ctx, table, max_ctx, page: int = 64) -> torch.Tensor:
+    """Vectorised torch fallback for 1-D ``context_lens``: gather pages, dequantise, bf16 matmul."""
+    B, next_n, H, D = q.shape
+    P = kv_cache.shape[0]
+    flat = kv_cache.view(P, -1)
+    vals = flat[:, :page * D].view(P, page, D)
+    scales = flat[:, page * D:page * (D + 4)].contiguous().view(torch.float32).view(P, page)
+    n_pages = (max_ctx + page - 1) // page
+    pages = table[:, :n_pages].long().clamp(min=0)
+    k = vals[pages].view(FP8).view(B, n_pages * page, D)[:, :max_ctx].to(torch.bfloat16)  # [B, T, D]
+    sc = scales[pages].view(B, -1)[:, :max_ctx]
+    s = torch.einsum("bjhd,btd->bjht", q.to(torch.bfloat16), k).float().relu_()
+    logits = torch.einsum("bjht,bjh->bjt", s, w.view(B, next_n, H)) * sc[:, None, :]
+    pos = ctx[:, None].long() - next_n + torch.arange(next_n, device=q.device)[None, :]  # [B, next_n]
+    t = torch.arange(max_ctx, device=q.device)
+    logits.masked_fill_(t[None, None, :] > pos[:, :, None], float("-inf"))
+    return logits.view(B * next_n, max_ctx)
+
+
+def _deep_gemm():
+    try:
+        import deep_gemm
+    except Exception:
+        return None
+    return deep_gemm
+
+
+def ragged_cases(quick: bool) -> list[tuple[int, int, int, int]]:
+    lens = (8192,) if quick else (8192, 16384, 32768, 65536)
+    return [(4096, n, h, 128) for h in (64, 32) for n in lens]
+
+
+def paged_cases(quick: bool) -> list[tuple[int, int, int, int, int]]:
+    lens = (4096,) if quick else (4096, 8192, 16384, 32768, 65536)
+    return [(128, length, next_n, 64, 128) for next_n in (1, 2) for length in lens]
+
+
+def ragged_inputs(S: int, N: int, H: int, D: int, device: str = "cuda"):
+    q = torch.randn(S, H, D, device=device).to(FP8)
+    k = torch.randn(N, D, device=device).to(FP8)
+    k_scale = torch.rand(N, device=device) * 0.01 + 0.001
+    w = torch.randn(S, H, device=device) * H ** -0.5
+    ks = torch.zeros(S, dtype=torch.int32, device=device)
+    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=device)
+    return q, (k, k_scale), w, ks, ke
+
+
+def paged_inputs(B: int, L: int, next_n: int, H: int, D: int, page: int = 64, device: str = "cuda"):
+    n_pages = L // page
+    P = B * n_pages
+    cache = torch.empty(P, page, 1, D + 4, dtype=torch.uint8, device=device)
+    flat = cache.view(P, -1)
+    flat[:, :page * D] = torch.randn(P, page * D, device=device).to(FP8).view(torch.uint8)
+    flat[:, page * D:] = (torch.rand(P, page, device=device) * 0.01 + 0.001).view(torch.uint8)
+    table = torch.randperm(P, device=device).int().view(B, n_pages)
+    ctx = torch.full((B,), L, dtype=torch.int32, device=device)
+    q = torch.randn(B, next_n, H, D, device=device).to(FP8)
+    w = torch.randn(B * next_n, H, device=device) * H ** -0.5
+    return q, cache, w, ctx, table
+
+
+def _ragged_rows(S: int, N: int, H: int, D: int, fp8_rate: float | None, dg) -> list[dict[str, Any]]:
+    shape = {"S": S, "N": N, "H": H, "D": D, "causal": True}
+    q, kv, w, ks, ke = ragged_inputs(S, N, H, D)
+    flops = 2.0 * H * D * float((ke - ks).clamp(min=0).sum())
+    nbytes = S * H * D + N * (D + 4) + S * H * 4 + S * N * 4
+    ms, note = _time(lambda: nb.fp8_mqa_logits(q, kv, w, ks, ke, impl="triton"))
+    row = _row("fp8_mqa_logits", shape, "triton", ms, flops, nbytes,
+               vs_fp8_mm=(flops / ms / 1e9 / fp8_rate) if (ms and fp8_rate) else None)
+    row["limit"] = ["fp8_tflops"]
+    if note:
+        row["note"] = note
+    rows = [row]
+    baselines = {}
+    if N <= 32768:  # the fallback needs S * H * 8192 * 4 bytes of scratch per chunk, and is slow
+        baselines["torch"] = lambda: torch_ragged_logits(q, kv, w, ks, ke)
+    if dg is not None and H in (32, 64):
+        baselines["deep_gemm"] = lambda: dg.fp8_mqa_logits(q, kv, w, ks, ke, clean_logits=True)
+    for impl, fn in baselines.items():
+        b_ms, b_note = _time(fn)
+        b_row = _row("fp8_mqa_logits", shape, impl, b_ms, flops, nbytes,
+                     triton_speedup=(b_ms / ms) if (b_ms and ms) else None)
+        if b_note:
+            b_row["note"] = b_note
+        rows.append(b_row)
+    return rows
+
+
+def _paged_rows(B: int, L: int, next_n: int, H: int, D: int, copy_rate: float | None,
+                dg) -> list[dict[str, Any]]:
+    shape = {"B": B, "context": L, "next_n": next_n, "H": H, "D": D, "page": 64}
+    q, cache, w, ctx, table = paged_inputs(B, L, next_n, H, D)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    meta = nb.get_paged_mqa_logits_metadata(ctx, 64, num_sms, impl="triton")
+    kv_bytes = float(B * L * (D + 4))
+    ms, note = _time(lambda: nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, L, impl="triton"))
+    kv_rate = kv_bytes / ms / 1e6 if ms else None
+    row = _row("fp8_paged_mqa_logits", shape, "triton", ms, None, kv_bytes,
+               vs_copy=(kv_rate / copy_rate) if (kv_rate and copy_rate) else None)
+    row["limit"] = ["copy_gbps"]
+    if note:
+        row["note"] = note
+    rows = [row]
+    baselines = {}
+    if L <= 16384:
+        baselines["torch"] = lambda: torch_paged_logits(q, cache, w, ctx, table, L)
+    if dg is not None:
+        dg_meta = dg.get_paged_mqa_logits_metadata(ctx, 64, num_sms)
+        baselines["deep_gemm"] = lambda: dg.fp8_paged_mqa_logits(q, cache, w, ctx, table, dg_meta, L, False)
+    for impl, fn in baselines.items():
+        b_ms, b_note = _time(fn)
+        b_row = _row("fp8_paged_mqa_logits", shape, impl, b_ms, None, kv_bytes,
+                     triton_speedup=(b_ms / ms) if (b_ms and ms) else None)
+        if b_note:
+            b_row["note"] = b_note
+        rows.append(b_row)
+    meta_ms, _ = _time(lambda: nb.get_paged_mqa_logits_metadata(ctx, 64, num_sms, impl="triton"))
+    rows.append(_row("get_paged_mqa_logits_metadata", {"B": B, "num_sms": num_sms}, "triton", meta_ms))
+    return rows
+
+
+def run(quick: bool, limits: dict[str, float | None]) -> list[dict[str, Any]]:
+    """Benchmark rows (see the module docstring). Without CUDA: the built-in tiny reference case."""
+    if not torch.cuda.is_available():
+        from nsa_backend.bench import builtin
+
+        return builtin.run(FAMILY, quick, limits)
+    rows: list[dict[str, Any]] = []
+    dg = _deep_gemm()
+    for S, N, H, D in ragged_cases(quick):
+        rows += _ragged_rows(S, N, H, D, limits.get("fp8_tflops"), dg)
+        torch.cuda.empty_cache()
+    for B, L, next_n, H, D in paged_cases(quick):
+        rows += _paged_rows(B, L, next_n, H, D, limits.get("copy_gbps"), dg)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(quick: bool = False) -> list[dict[str, Any]]:
+    """Time candidate launch configurations at one prefill and one decode shape (for tuning the
+    tables in ``nsa_backend/configs/indexer.py`` on a new GPU). Rows: ``impl = "triton[config]"``."""
+    from nsa_backend.configs.indexer import LogitsConfig
+    from nsa_backend.kernels import indexer as ki
+
+    rows: list[dict[str, Any]] = []
+    ragged = [LogitsConfig(bn, cols, w, st) for bn, cols, w, st in (
+        (128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 8, 3), (64, 256, 4, 3), (64, 128, 4, 4),
+        (256, 128, 8, 3))]
+    for H in (64, 32):
+        S, N, D = 4096, 16384 if quick else 32768, 128
+        q, kv, w, ks, ke = ragged_inputs(S, N, H, D)
+        flops = 2.0 * H * D * float((ke - ks).clamp(min=0).sum())
+        for cfg in ragged:
+            if cfg.cols < 16 * ((H + 15) // 16):
+                continue
+            ms, note = _time(lambda cfg=cfg, a=(q, kv, w, ks, ke):
+                             ki.fp8_mqa_logits_triton(*a, True, 0, config=cfg))
+            row = _row("fp8_mqa_logits", {"S": S, "N": N, "H": H, "D": D}, f"triton[{cfg}]", ms, flops)
+            if note:
+                row["note"] = note
+            rows.append(row)
+    for next_n in (1, 2):
+        B, L, H, D = 128, 16384 if quick else 32768, 64, 128
+        q, cache, w, ctx, table = paged_inputs(B, L, next_n, H, D)
+        kv_bytes = float(B * L * (D + 4))
+        cols = 64 * next_n
+        for bn, warps, st in ((128, 4, 4), (128, 8, 4), (64, 4, 4), (64, 4, 6), (256, 8, 3)):
+            for chunk in (512, 1024, 2048, 4096):
+                if chunk % bn:
+                    continue
+                cfg = LogitsConfig(bn, cols, warps, st)
+                ms, note = _time(lambda cfg=cfg, chunk=chunk, a=(q, cache, w, ctx, table, None, L):
+                                 ki.fp8_paged_mqa_logits_triton(*a, config=cfg, chunk=chunk))
+                row = _row("fp8_paged_mqa_logits", {"B": B, "context": L, "next_n": next_n, "H": H},
+                           f"triton[{cfg}, chunk={chunk}]", ms, None, kv_bytes)
+                if note:
+                    row["note"] = note
+                rows.append(row)
+    return rows
+
+
+def to_markdown(rows: list[dict[str, Any]], limits: dict[str, float | None]) -> str:
+    """A markdown table of benchmark rows (and the limits they are compared with)."""
+    lim = ", ".join(f"{k} = {v:.0f}" for k, v in limits.items() if v)
+    lines = [f"Limits measured in the same run: {lim}", "",
+             "| op | shape | impl | ms | TFLOP/s | GB/s | ratios |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        shape = r["shape"]
+        if isinstance(shape, dict):
+            shape = ", ".join(f"{k}={v}" for k, v in shape.items())
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items())
+        cells = [r["op"], shape, r["impl"], f"{r['ms']:.4f}" if r["ms"] else r.get("note", "-"),
+                 f"{r['tflops']:.0f}" if r["tflops"] else "", f"{r['gbps']:.0f}" if r["gbps"] else "", ratios]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m nsa_backend.bench.MODULE [--quick] [--sweep] [--out PREFIX]``: JSON + markdown."""
+    import argparse
+    import json
+    import sys
+
+    from nsa_backend.bench.limits import measure_limits
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time candidate configurations instead")
+    parser.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
+    args = parser.parse_args(argv)
+    limits = measure_limits("cuda", args.quick)
+    rows = sweep(args.quick) if args.sweep else run(args.quick, limits)
+    text = to_markdown(rows, limits)
+    print(text)
+    if args.out:
+        env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+        cli = sys.argv[1:] if argv is None else argv
+        doc = {"command": "python -m " + __spec__.name + " " + " ".join(cli),
+               "environment": env, "limits": limits, "rows": rows}
+        with open(args.out + ".json", "w") as f:
+            json.dump(doc, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(f"`{doc['command']}` on {env['gpu']} "
+                    f"(torch {env['torch']}, triton {env.get('triton')})\n\n")
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

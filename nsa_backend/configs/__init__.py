@@ -1,0 +1,1 @@
+"""Launch configurations of the Triton kernels, one module per op family, kept as data."""

@@ -1,0 +1,188 @@
+"""Launch configurations of the lightning-indexer kernels (``nsa_backend/kernels/indexer.py``).
+
+Both logits kernels compute ``S^T = K @ Q^T`` tiles: ``block_n`` keys (the MMA M side) against
+``cols`` query columns (the MMA N side). A column is one (query row, head) pair: heads are padded
+to ``HP = max(16, next_pow2(H))`` and ``cols // HP`` query rows share a tile, so the head sum is a
+reduction along the N side of the accumulator, inside each warp.
+
+- ``RAGGED_CONFIGS[arch_kind]`` lists candidates for the prefill kernel, best first;
+  :func:`ragged_config` returns the first whose estimated shared memory fits the architecture.
+- ``PAGED_CONFIGS`` is the same for the decode kernel (deterministic: no autotuning, so the call
+  can be captured in a CUDA graph).
+- The ahead-of-time test compiles every configuration :func:`shipped_ragged_configs` /
+  :func:`shipped_paged_configs` can return and checks the compiler's shared-memory number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH, SHARED_MEMORY_LIMIT, TARGET_ARCHS
+
+HEAD_DIMS: tuple[int, ...] = (64, 128)
+# Padded head counts (tl.dot needs at least 16 columns).
+HEAD_BUCKETS: tuple[int, ...] = (16, 32, 64, 128)
+# Paged decode: padded rows per request (next_n 1..4 -> 1, 2, 4).
+NEXT_N_BUCKETS: tuple[int, ...] = (1, 2, 4)
+PAGE_SIZES: tuple[int, ...] = (32, 64)
+
+# Used when the architecture is unknown (CPU interpreter): the smallest budget we ship for.
+FALLBACK_SHARED_MEMORY = min(SHARED_MEMORY_LIMIT[a] for a in TARGET_ARCHS)
+# Share of the budget the estimate may use (the compiler adds scratch for layout conversions).
+SHARED_MEMORY_MARGIN = 0.85
+# Paged decode: aim for at least this many programs per SM before shrinking the key chunk.
+PAGED_PROGRAMS_PER_SM = 4
+# Keys per paged program, largest first (a multiple of every block_n below).
+PAGED_CHUNKS: tuple[int, ...] = (1024, 512, 256)
+
+
+@dataclass(frozen=True)
+class LogitsConfig:
+    """One launch configuration of a logits kernel."""
+
+    block_n: int
+    cols: int
+    num_warps: int
+    num_stages: int
+
+    def shared_bytes_estimate(self, head_dim: int, fp8_native: bool) -> int:
+        """Pipelined key tiles plus the resident query tile (fp16 operands without native fp8)."""
+        elem = 1 if fp8_native else 2
+        return self.num_stages * self.block_n * head_dim * elem + self.cols * head_dim * elem
+
+
+def arch_kind(arch: int | None) -> str:
+    """``"wgmma"`` (sm_90), ``"big"`` (sm_80 / sm_100: large shared memory) or ``"small"``."""
+    if arch is None:
+        return "small"
+    if arch // 10 == 9:
+        return "wgmma"
+    if SHARED_MEMORY_LIMIT.get(arch, FALLBACK_SHARED_MEMORY) >= 160 * 1024:
+        return "big"
+    return "small"
+
+
+# sm_90 entries were tuned on an H200 (S 4096, N 32768 causal, D 128): 64 x 128 tiles with 4 stages
+# reached 929 useful TFLOP/s at H 64, 64 x 256 (8 query rows per tile) 915 at H 32; tiles of 128
+# keys, 8 warps, were 10-30 % slower. ``RAGGED_WGMMA_COLS`` picks the query columns per head count.
+RAGGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
+    "wgmma": (LogitsConfig(64, 128, 4, 4), LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 2)),
+    "big": (LogitsConfig(128, 128, 8, 3), LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 2)),
+    "small": (LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 2), LogitsConfig(32, 128, 4, 2)),
+}
+
+RAGGED_WGMMA_COLS: dict[int, int] = {16: 256, 32: 256, 64: 128, 128: 128}
+
+# sm_90 decode entries tuned on an H200 (B 128, 32K context, H 64): 64-key tiles with 6 stages and
+# 1024-key chunks read 2.8 TB/s at next_n 1 (128-key tiles or 8 warps: 2.0-2.5 TB/s).
+PAGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
+    "wgmma": (LogitsConfig(64, 0, 4, 6), LogitsConfig(64, 0, 4, 4), LogitsConfig(64, 0, 4, 2)),
+    "big": (LogitsConfig(128, 0, 4, 3), LogitsConfig(64, 0, 4, 3), LogitsConfig(64, 0, 4, 2)),
+    "small": (LogitsConfig(64, 0, 4, 3), LogitsConfig(64, 0, 4, 2), LogitsConfig(32, 0, 4, 2)),
+}
+
+
+def padded_heads(num_heads: int) -> int:
+    """``HP``: the head count padded to a power of two, at least 16."""
+    for hp in HEAD_BUCKETS:
+        if num_heads <= hp:
+            return hp
+    raise ValueError(f"num_heads: expected at most {HEAD_BUCKETS[-1]}, got {num_heads}")
+
+
+def padded_next_n(next_n: int) -> int:
+    for n in NEXT_N_BUCKETS:
+        if next_n <= n:
+            return n
+    raise ValueError(f"next_n: expected at most {NEXT_N_BUCKETS[-1]}, got {next_n}")
+
+
+def shared_memory_budget(arch: int | None) -> int:
+    if arch is None:
+        return FALLBACK_SHARED_MEMORY
+    return SHARED_MEMORY_LIMIT.get(arch, FALLBACK_SHARED_MEMORY)
+
+
+def fp8_native(arch: int | None) -> bool:
+    return arch is not None and arch >= FP8_NATIVE_MIN_ARCH
+
+
+def ragged_config(num_heads: int, head_dim: int, arch: int | None) -> LogitsConfig:
+    """Prefill configuration for ``num_heads`` heads of ``head_dim`` on ``sm_<arch>``.
+
+    ``cols`` is raised to ``HP`` when the padded head count is wider than the table entry.
+    """
+    hp = padded_heads(num_heads)
+    budget = shared_memory_budget(arch) * SHARED_MEMORY_MARGIN
+    native = fp8_native(arch)
+    kind = arch_kind(arch)
+    candidates = RAGGED_CONFIGS[kind]
+    for cfg in candidates:
+        cols = RAGGED_WGMMA_COLS[hp] if kind == "wgmma" else max(cfg.cols, hp)
+        cfg = LogitsConfig(cfg.block_n, cols, cfg.num_warps, cfg.num_stages)
+        if cfg.shared_bytes_estimate(head_dim, native) <= budget:
+            return cfg
+    last = candidates[-1]
+    return LogitsConfig(last.block_n, max(last.cols, hp), last.num_warps, 1)
+
+
+def paged_config(num_heads: int, next_n: int, head_dim: int, arch: int | None) -> LogitsConfig:
+    """Decode configuration: ``cols = rows * HP`` query columns per program.
+
+    ``rows`` is the padded ``next_n`` (every page is read once for all rows of a request), halved
+    while the tiles would not fit the architecture's shared memory.
+    """
+    hp = padded_heads(num_heads)
+    budget = shared_memory_budget(arch) * SHARED_MEMORY_MARGIN
+    native = fp8_native(arch)
+    candidates = PAGED_CONFIGS[arch_kind(arch)]
+    rows = padded_next_n(next_n)
+    while True:
+        cols = rows * hp
+        for cfg in candidates:
+            if cols > 256:  # keep the accumulator at <= 128 fp32 registers per thread
+                cfg = LogitsConfig(min(cfg.block_n, 64), cols, 8, cfg.num_stages)
+            else:
+                warps = 8 if cfg.block_n * cols > 128 * 128 else cfg.num_warps
+                cfg = LogitsConfig(cfg.block_n, cols, warps, cfg.num_stages)
+            if cfg.shared_bytes_estimate(head_dim, native) <= budget:
+                return cfg
+        if rows == 1:
+            last = candidates[-1]
+            return LogitsConfig(last.block_n, cols, last.num_warps, 1)
+        rows //= 2
+
+
+def paged_chunk(batch: int, max_context_len: int, num_sms: int, block_n: int) -> int:
+    """Keys per paged program: the largest chunk that still gives enough programs."""
+    for chunk in PAGED_CHUNKS:
+        if chunk % block_n:
+            continue
+        programs = batch * -(-max_context_len // chunk)
+        if programs >= PAGED_PROGRAMS_PER_SM * num_sms:
+            return chunk
+    return PAGED_CHUNKS[-1] if PAGED_CHUNKS[-1] % block_n == 0 else block_n
+
+
+def shipped_ragged_configs(arch: int) -> list[tuple[int, int, LogitsConfig]]:
+    """Every ``(HP, head_dim, config)`` :func:`ragged_config` can return on ``sm_<arch>``."""
+    out = []
+    for hp in HEAD_BUCKETS:
+        for d in HEAD_DIMS:
+            item = (hp, d, ragged_config(hp, d, arch))
+            if item not in out:
+                out.append(item)
+    return out
+
+
+def shipped_paged_configs(arch: int) -> list[tuple[int, int, int, LogitsConfig]]:
+    """Every ``(HP, next_n bucket, head_dim, config)`` :func:`paged_config` can return
+    (``config.cols // HP`` is the number of rows a program computes)."""
+    out = []
+    for hp in HEAD_BUCKETS:
+        for nn in NEXT_N_BUCKETS:
+            for d in HEAD_DIMS:
+                item = (hp, nn, d, paged_config(hp, nn, d, arch))
+                if item not in out:
+                    out.append(item)
+    return out

@@ -1,0 +1,411 @@
+"""Triton kernels of the lightning indexer: ragged (prefill) and paged (decode) fp8 MQA logits.
+
+    logits[i, n] = k_scale[n] * sum_h relu(q[i, h] . k[n]) * w[i, h]
+
+Layouts (row-major):
+
+- ragged: ``q [S, H, D]`` e4m3, ``k [N, D]`` e4m3, ``k_scale [N]`` f32, ``w [S, H]`` f32,
+  ``ks / ke [S]`` i32; out ``[S, N]`` (or ``[S, max_seqlen_k]`` compressed) f32.
+- paged: ``q [B, next_n, H, D]``, ``w [B * next_n, H]``; cache ``u8 [P, PAGE, 1, D + 4]`` where
+  page ``p`` starts at byte ``p * stride_page`` and holds ``PAGE * D`` e4m3 values (token-major)
+  followed by ``PAGE`` f32 scales; ``block_table [B, M]`` i32; out ``[B * next_n, max_ctx]`` f32.
+
+Both kernels compute ``S^T = K @ Q^T``: a tile of ``BLOCK_N`` keys (MMA M) against ``BQ * HP``
+query columns (MMA N; heads padded to ``HP`` with zero weights). After relu and the weights, the
+accumulator is viewed as ``[BLOCK_N, BQ, HP]`` and summed over heads, which stays inside warps.
+Architectures without fp8 MMA (sm_80 / sm_86) read the fp8 bytes as ``uint8`` and decode them to
+fp16 in registers (``FP8_NATIVE=False``): the fp16 value is ``x / 256`` exactly, so the weights
+carry a factor ``2**16``.
+
+The paged kernel ignores ``schedule_meta``: its grid is ``(B * row groups, cdiv(max_context_len,
+CHUNK))``, fixed by shapes only, so the call has no host synchronisation and can be captured in a
+graph. A program reads each page once for all ``NP`` rows of its group (all ``next_n`` rows
+unless the query tile would not fit the architecture's shared memory).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_backend.configs import indexer as cfgs
+from nsa_backend.reference import PAGED_SCHEDULE_SPLIT_KV
+
+__all__ = [
+    "fp8_mqa_logits_triton",
+    "fp8_paged_mqa_logits_triton",
+    "get_paged_mqa_logits_metadata_triton",
+]
+
+# 2**8 per operand: fp16 bits built from e4m3 bits are the value divided by 256.
+_DECODE_SCALE = 65536.0
+
+
+@triton.jit
+def _e4m3_bits_to_f16(x):
+    # x: uint8 e4m3 bits -> fp16 holding value / 256 (exact, subnormals included)
+    x16 = x.to(tl.uint16)
+    bits = ((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.heuristics({"COMPRESSED": lambda args: args["max_seqlen_k"] > 0})
+@triton.jit
+def _indexer_ragged_logits_kernel(
+    q_ptr,
+    k_ptr,
+    k_scale_ptr,
+    w_ptr,
+    ks_ptr,
+    ke_ptr,
+    out_ptr,
+    S,
+    N,
+    H,
+    stride_out,
+    max_seqlen_k,
+    w_scale,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    BQ: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CLEAN: tl.constexpr,
+    COMPRESSED: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
+):
+    i_q = tl.program_id(0)
+    o_q = i_q * BQ + tl.arange(0, BQ)
+    m_q = o_q < S
+    b_ks = tl.maximum(tl.load(ks_ptr + o_q, mask=m_q, other=0), 0)
+    b_ke = tl.minimum(tl.load(ke_ptr + o_q, mask=m_q, other=0), N)
+    m_live = m_q & (b_ke > b_ks)
+    # union of the windows of this program's rows, in whole tiles
+    lo = tl.min(tl.where(m_live, b_ks, N), axis=0)
+    hi = tl.max(tl.where(m_live, b_ke, 0), axis=0)
+    live = hi > lo
+    lo = tl.where(live, lo // BLOCK_N * BLOCK_N, 0)
+    hi = tl.where(live, hi, 0)
+
+    o_c = tl.arange(0, BQ * HP)
+    o_d = tl.arange(0, D)
+    o_cq = i_q * BQ + o_c // HP
+    o_ch = o_c % HP
+    m_c = (o_cq < S) & (o_ch < H)
+    o_qh = o_cq.to(tl.int64) * H + o_ch
+    b_q = tl.load(q_ptr + o_qh[:, None] * D + o_d[None, :], mask=m_c[:, None], other=0.0)  # [BQ*HP, D]
+    b_w = tl.load(w_ptr + o_qh, mask=m_c, other=0.0) * w_scale  # [BQ*HP]
+    if not FP8_NATIVE:
+        b_q = _e4m3_bits_to_f16(b_q)
+    p_out = out_ptr + o_q.to(tl.int64)[None, :] * stride_out  # [1, BQ]
+
+    for n0 in range(lo, hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < hi
+        b_k = tl.load(k_ptr + o_n.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+        if not FP8_NATIVE:
+            b_k = _e4m3_bits_to_f16(b_k)
+        b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, BQ*HP]
+        b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
+        b_l = tl.sum(tl.reshape(b_s, (BLOCK_N, BQ, HP)), axis=2)  # [BLOCK_N, BQ]
+        b_sc = tl.load(k_scale_ptr + o_n, mask=m_n, other=0.0)
+        b_l = b_l * b_sc[:, None]
+        m_in = (o_n[:, None] >= b_ks[None, :]) & (o_n[:, None] < b_ke[None, :])  # [BLOCK_N, BQ]
+        if COMPRESSED:
+            o_j = o_n[:, None] - b_ks[None, :]
+            tl.store(p_out + o_j, b_l, mask=m_in & m_q[None, :] & (o_j < max_seqlen_k))
+        else:
+            if CLEAN:
+                b_l = tl.where(m_in, b_l, float("-inf"))
+            tl.store(p_out + o_n[:, None], b_l, mask=m_q[None, :] & (o_n < N)[:, None])
+
+    if CLEAN:
+        b_inf = tl.full([BLOCK_N, BQ], float("-inf"), tl.float32)
+        if COMPRESSED:
+            # row i holds ke[i] - ks[i] values; the rest of its max_seqlen_k columns is -inf
+            b_len = tl.where(m_live, b_ke - b_ks, 0)
+            j0 = tl.min(tl.where(m_q, b_len, max_seqlen_k), axis=0) // BLOCK_N * BLOCK_N
+            for j in range(j0, max_seqlen_k, BLOCK_N):
+                o_j = j + tl.arange(0, BLOCK_N)
+                m_j = (o_j[:, None] >= b_len[None, :]) & (o_j < max_seqlen_k)[:, None] & m_q[None, :]
+                tl.store(p_out + o_j[:, None], b_inf, mask=m_j)
+        else:
+            # tiles left of and right of the union window
+            hi_fill = tl.cdiv(hi, BLOCK_N) * BLOCK_N
+            for n0 in range(0, lo, BLOCK_N):
+                o_n = n0 + tl.arange(0, BLOCK_N)
+                tl.store(p_out + o_n[:, None], b_inf, mask=m_q[None, :] & (o_n < N)[:, None])
+            for n0 in range(hi_fill, N, BLOCK_N):
+                o_n = n0 + tl.arange(0, BLOCK_N)
+                tl.store(p_out + o_n[:, None], b_inf, mask=m_q[None, :] & (o_n < N)[:, None])
+
+
+@triton.jit
+def _indexer_paged_logits_kernel(
+    q_ptr,
+    kv_ptr,
+    w_ptr,
+    ctx_ptr,
+    bt_ptr,
+    out_ptr,
+    H,
+    max_ctx,
+    num_pages,
+    max_blocks,
+    stride_bt,
+    stride_page,
+    stride_out,
+    w_scale,
+    NEXT_N,
+    CHUNK,
+    NP: tl.constexpr,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CTX_2D: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
+    SCALE_ALIGNED: tl.constexpr,
+):
+    # program (i_bg, i_c): rows [j0, j0 + NP) of request i_b, keys [i_c * CHUNK, (i_c + 1) * CHUNK)
+    i_bg = tl.program_id(0)
+    i_c = tl.program_id(1)
+    n_groups = tl.cdiv(NEXT_N, NP)
+    i_b = i_bg // n_groups
+    o_j = (i_bg % n_groups) * NP + tl.arange(0, NP)
+    m_j = o_j < NEXT_N
+    # keys visible to each of the request's rows
+    if CTX_2D:
+        b_vis = tl.load(ctx_ptr + i_b.to(tl.int64) * NEXT_N + o_j, mask=m_j, other=0)
+    else:
+        b_vis = tl.load(ctx_ptr + i_b) - NEXT_N + 1 + o_j
+    b_vis = tl.where(m_j, tl.minimum(tl.maximum(b_vis, 0), max_ctx), 0)  # [NP]
+    kmax = tl.minimum(tl.max(b_vis, axis=0), max_blocks * PAGE)
+    c0 = i_c * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, max_ctx)
+    hi = tl.minimum(c1, kmax)
+
+    o_c = tl.arange(0, NP * HP)
+    o_d = tl.arange(0, D)
+    o_cj = (i_bg % n_groups) * NP + o_c // HP
+    o_ch = o_c % HP
+    m_c = (o_cj < NEXT_N) & (o_ch < H)
+    o_qh = (i_b * NEXT_N + o_cj).to(tl.int64) * H + o_ch
+    b_q = tl.load(q_ptr + o_qh[:, None] * D + o_d[None, :], mask=m_c[:, None], other=0.0)  # [NP*HP, D]
+    b_w = tl.load(w_ptr + o_qh, mask=m_c, other=0.0) * w_scale  # [NP*HP]
+    if not FP8_NATIVE:
+        b_q = _e4m3_bits_to_f16(b_q)
+    p_out = out_ptr + (i_b * NEXT_N + o_j).to(tl.int64)[None, :] * stride_out  # [1, NP]
+    p_bt = bt_ptr + i_b.to(tl.int64) * stride_bt
+
+    for t0 in range(c0, hi, BLOCK_N):
+        o_t = t0 + tl.arange(0, BLOCK_N)
+        m_t = o_t < hi
+        i_pg = tl.load(p_bt + o_t // PAGE, mask=m_t, other=-1)
+        m_pg = m_t & (i_pg >= 0) & (i_pg < num_pages)
+        o_pg = tl.where(m_pg, i_pg, 0).to(tl.int64) * stride_page
+        o_in = o_t % PAGE
+        b_k = tl.load(kv_ptr + (o_pg + o_in * D)[:, None] + o_d[None, :], mask=m_pg[:, None], other=0)
+        p_sc = kv_ptr + o_pg + PAGE * D + o_in * 4
+        if SCALE_ALIGNED:
+            b_sc = tl.load(p_sc.to(tl.pointer_type(tl.float32)), mask=m_pg, other=0.0)
+        else:
+            b_sc = tl.load(p_sc, mask=m_pg, other=0).to(tl.uint32)
+            b_sc |= tl.load(p_sc + 1, mask=m_pg, other=0).to(tl.uint32) << 8
+            b_sc |= tl.load(p_sc + 2, mask=m_pg, other=0).to(tl.uint32) << 16
+            b_sc |= tl.load(p_sc + 3, mask=m_pg, other=0).to(tl.uint32) << 24
+            b_sc = b_sc.to(tl.float32, bitcast=True)
+        if FP8_NATIVE:
+            b_k = b_k.to(tl.float8e4nv, bitcast=True)
+        else:
+            b_k = _e4m3_bits_to_f16(b_k)
+        b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, NP*HP]
+        b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
+        b_l = tl.sum(tl.reshape(b_s, (BLOCK_N, NP, HP)), axis=2) * b_sc[:, None]  # [BLOCK_N, NP]
+        m_hide = (o_t[:, None] >= b_vis[None, :]) | (~m_pg)[:, None]
+        b_l = tl.where(m_hide, float("-inf"), b_l)
+        tl.store(p_out + o_t[:, None], b_l, mask=m_j[None, :] & (o_t < c1)[:, None])
+
+    # keys of this chunk that no row of the request sees
+    b_inf = tl.full([BLOCK_N, NP], float("-inf"), tl.float32)
+    t_fill = c0 + tl.cdiv(tl.maximum(hi - c0, 0), BLOCK_N) * BLOCK_N
+    for t0 in range(t_fill, c1, BLOCK_N):
+        o_t = t0 + tl.arange(0, BLOCK_N)
+        tl.store(p_out + o_t[:, None], b_inf, mask=m_j[None, :] & (o_t < c1)[:, None])
+
+
+@triton.jit
+def _indexer_paged_schedule_kernel(
+    ctx_ptr,
+    out_ptr,
+    B,
+    ctx_stride,
+    ctx_offset,
+    num_sms,
+    SPLIT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_SM: tl.constexpr,
+):
+    # segments of request b: cdiv(ctx[b * ctx_stride + ctx_offset], SPLIT); worker w starts at
+    # segment w * (total // num_sms) + min(w, total % num_sms) of the concatenation.
+    o_b = tl.arange(0, BLOCK_B)
+    total = 0
+    for b0 in range(0, B, BLOCK_B):
+        m_b = b0 + o_b < B
+        b_len = tl.load(ctx_ptr + (b0 + o_b).to(tl.int64) * ctx_stride + ctx_offset, mask=m_b, other=0)
+        total += tl.sum(tl.cdiv(tl.maximum(b_len, 0), SPLIT), axis=0)
+    per = total // num_sms
+    rem = total % num_sms
+    for s0 in range(0, num_sms + 1, BLOCK_SM):
+        o_s = s0 + tl.arange(0, BLOCK_SM)
+        m_s = o_s <= num_sms
+        b_start = o_s * per + tl.minimum(o_s, rem)  # [BLOCK_SM]
+        b_req = tl.zeros([BLOCK_SM], dtype=tl.int32)
+        b_before = tl.zeros([BLOCK_SM], dtype=tl.int32)
+        carry = 0
+        for b0 in range(0, B, BLOCK_B):
+            m_b = b0 + o_b < B
+            b_len = tl.load(ctx_ptr + (b0 + o_b).to(tl.int64) * ctx_stride + ctx_offset, mask=m_b, other=0)
+            b_seg = tl.where(m_b, tl.cdiv(tl.maximum(b_len, 0), SPLIT), 0)
+            b_pre = tl.cumsum(b_seg, axis=0) + carry  # [BLOCK_B] inclusive prefix
+            m_le = (b_pre[None, :] <= b_start[:, None]) & m_b[None, :]  # [BLOCK_SM, BLOCK_B]
+            b_req += tl.sum(m_le.to(tl.int32), axis=1)
+            b_before += tl.sum(tl.where(m_le, b_seg[None, :], 0), axis=1)
+            carry += tl.sum(b_seg, axis=0)
+        tl.store(out_ptr + o_s * 2, b_req, mask=m_s)
+        tl.store(out_ptr + o_s * 2 + 1, b_start - b_before, mask=m_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+@functools.cache
+def _device_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_arch(device: torch.device) -> int | None:
+    """``major * 10 + minor`` of a CUDA device; ``None`` on CPU (Triton interpreter)."""
+    if device.type != "cuda":
+        return None
+    return _device_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _fp8_operand(x: torch.Tensor, native: bool) -> torch.Tensor:
+    return x if native else x.view(torch.uint8)
+
+
+def fp8_mqa_logits_triton(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+    *,
+    config: cfgs.LogitsConfig | None = None,
+) -> torch.Tensor:
+    """Triton ``fp8_mqa_logits`` (see :func:`nsa_backend.fp8_mqa_logits`); ``config`` overrides the table."""
+    k, k_scale = kv
+    S, H, D = q.shape
+    N = k.shape[0]
+    cols = max_seqlen_k if max_seqlen_k > 0 else N
+    out = torch.empty(S, cols, dtype=torch.float32, device=q.device)
+    if S == 0 or cols == 0:
+        return out
+    arch = device_arch(q.device)
+    native = cfgs.fp8_native(arch)
+    cfg = config or cfgs.ragged_config(H, D, arch)
+    hp = cfgs.padded_heads(H)
+    bq = max(1, cfg.cols // hp)
+    grid = (triton.cdiv(S, bq),)
+    _indexer_ragged_logits_kernel[grid](
+        _fp8_operand(q, native), _fp8_operand(k, native), k_scale, weights,
+        cu_seq_len_k_start, cu_seq_len_k_end, out,
+        S, N, H, out.stride(0), max_seqlen_k, 1.0 if native else _DECODE_SCALE,
+        D=D, HP=hp, BQ=bq, BLOCK_N=cfg.block_n, CLEAN=bool(clean_logits), FP8_NATIVE=native,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def get_paged_mqa_logits_metadata_triton(
+    context_lens: torch.Tensor, block_kv: int, num_sms: int
+) -> torch.Tensor:
+    """Triton ``get_paged_mqa_logits_metadata``: one program, no host synchronisation."""
+    out = torch.empty(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
+    B = context_lens.shape[0]
+    if context_lens.dim() == 2:
+        stride, offset = context_lens.shape[1], max(context_lens.shape[1] - 1, 0)
+        if context_lens.shape[1] == 0:
+            B = 0
+    else:
+        stride, offset = 1, 0
+    block_b = min(1024, max(16, triton.next_power_of_2(max(B, 1))))
+    _indexer_paged_schedule_kernel[(1,)](
+        context_lens, out, B, stride, offset, num_sms,
+        SPLIT=PAGED_SCHEDULE_SPLIT_KV, BLOCK_B=block_b, BLOCK_SM=64 if block_b <= 256 else 16, num_warps=4,
+    )
+    return out
+
+
+def fp8_paged_mqa_logits_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    clean_logits: bool = False,
+    *,
+    config: cfgs.LogitsConfig | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Triton ``fp8_paged_mqa_logits``; ``schedule_meta`` is accepted and not needed.
+
+    Every output entry is written: logits for visible keys, ``-inf`` elsewhere.
+    """
+    B, next_n, H, D = q.shape
+    if kv_cache.dim() == 3:
+        kv_cache = kv_cache.unsqueeze(2)
+    num_pages, page = kv_cache.shape[0], kv_cache.shape[1]
+    out = torch.empty(B * next_n, max_context_len, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    arch = device_arch(q.device)
+    native = cfgs.fp8_native(arch)
+    cfg = config or cfgs.paged_config(H, next_n, D, arch)
+    block_n = cfg.block_n
+    chunk = chunk or cfgs.paged_chunk(B, max_context_len, _num_sms(q.device), block_n)
+    stride_page = kv_cache.stride(0)
+    aligned = stride_page % 4 == 0 and kv_cache.data_ptr() % 4 == 0
+    hp = cfgs.padded_heads(H)
+    rows = max(1, cfg.cols // hp)
+    grid = (B * triton.cdiv(next_n, rows), triton.cdiv(max_context_len, chunk))
+    _indexer_paged_logits_kernel[grid](
+        _fp8_operand(q, native), kv_cache, weights, context_lens, block_table, out,
+        H, max_context_len, num_pages, block_table.shape[1], block_table.stride(0), stride_page,
+        out.stride(0),
+        1.0 if native else _DECODE_SCALE, next_n, chunk,
+        NP=rows, D=D, HP=hp, PAGE=page, BLOCK_N=block_n,
+        CTX_2D=context_lens.dim() == 2, FP8_NATIVE=native, SCALE_ALIGNED=aligned,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,345 @@
+"""Triton lightning-indexer kernels against ``nsa_backend.reference``.
+
+- CPU (``TRITON_INTERPRET=1``): small shapes covering every feature (head counts that are not a
+  power of two, both head dims, both ``clean_logits`` values, compressed output, both
+  ``context_lens`` forms, page sizes 32 and 64, padded page stride, empty sequences, unused or
+  out-of-range block-table entries).
+- Ahead-of-time: every kernel and shipped configuration compiles for sm_80 .. sm_121 within the
+  architecture's shared memory (one subprocess, ``TRITON_INTERPRET`` unset).
+- GPU (``@pytest.mark.gpu``): 300+ random cases per op.
+
+In-window values are compared with a relative tolerance on the row scale; masks (``-inf``) are
+compared exactly wherever the op promises them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import nsa_backend as nb
+from nsa_backend import reference as ref
+
+FP8 = torch.float8_e4m3fn
+triton = pytest.importorskip("triton")
+ki = pytest.importorskip("nsa_backend.kernels.indexer")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and comparison
+# ----------------------------------------------------------------------------------------------
+
+def _ragged_inputs(S, H, D, N, device, causal=False, gen=None):
+    q = torch.randn(S, H, D, device=device).to(FP8)
+    k = torch.randn(N, D, device=device).to(FP8)
+    k_scale = torch.rand(N, device=device) * 0.9 + 0.1  # arbitrary fp32 scales
+    w = torch.randn(S, H, device=device)
+    if causal:
+        ke = torch.arange(N - S + 1, N + 1, device=device).clamp(min=0).int()
+        ks = torch.zeros(S, dtype=torch.int32, device=device)
+    else:
+        ks = torch.randint(0, max(N, 1), (S,), device=device, generator=gen).int()
+        ke = (ks + torch.randint(-4, max(N, 1) + 4, (S,), device=device, generator=gen)).clamp(0, N).int()
+    return q, (k, k_scale), w, ks, ke
+
+
+def _paged_inputs(B, next_n, H, D, page, lens, ctx_2d, device, pad_bytes=0, spare_pages=3):
+    """Paged cache with pages in random order, ``spare_pages`` unused, optionally padded stride."""
+    lens = [int(x) for x in lens]
+    max_len = max([*lens, 0])
+    pages_per_req = [(x + page - 1) // page for x in lens]
+    max_blocks = max([*pages_per_req, 0]) + 2  # unused trailing block-table entries
+    num_pages = sum(pages_per_req) + spare_pages
+    k = torch.randn(num_pages * page, D, device=device)
+    packed = ref.pack_indexer_k_cache(k, page).view(num_pages, -1)  # [P, page*(D+4)]
+    width = packed.shape[1]
+    store = torch.zeros(num_pages, width + pad_bytes, dtype=torch.uint8, device=device)
+    store[:, :width] = packed
+    cache = store[:, :width].view(num_pages, page, 1, D + 4) if pad_bytes == 0 else \
+        store.as_strided((num_pages, page, 1, D + 4), (width + pad_bytes, D + 4, D + 4, 1))
+    perm = torch.randperm(num_pages, device=device).int()
+    table = torch.full((B, max_blocks), -1, dtype=torch.int32, device=device)
+    table[:, -1] = num_pages + 7  # an out-of-range id past every context: must never be read
+    at = 0
+    for b, n in enumerate(pages_per_req):
+        table[b, :n] = perm[at:at + n]
+        at += n
+    if ctx_2d:
+        # row j of request b sees keys t < L - next_n + 1 + j (the MTP layout), clamped at 0
+        j = torch.arange(next_n, device=device)
+        ctx = (torch.tensor(lens, device=device)[:, None] - next_n + 1 + j[None, :]).clamp(min=0).int()
+    else:
+        ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(B, next_n, H, D, device=device).to(FP8)
+    w = torch.randn(B * next_n, H, device=device)
+    return q, cache, w, ctx, table, max_len
+
+
+def _assert_logits(out, want, check_mask=True, what=""):
+    assert out.shape == want.shape, f"{what}: shape {tuple(out.shape)} != {tuple(want.shape)}"
+    fin = torch.isfinite(want)
+    if check_mask:
+        assert torch.equal(torch.isneginf(out), torch.isneginf(want)), f"{what}: -inf mask differs"
+    if fin.any():
+        o, r = out[fin].double(), want[fin].double()
+        assert torch.isfinite(o).all(), f"{what}: non-finite value inside the window"
+        tol = 2e-3 * r.abs().max().item() + 1e-6
+        err = (o - r).abs().max().item()
+        assert err <= tol, f"{what}: max abs err {err:.3g} > {tol:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU (interpreter) and GPU: small cases through the public API
+# ----------------------------------------------------------------------------------------------
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+RAGGED_CASES = [
+    pytest.param(5, 3, 64, 70, True, 0, False, id="S5-H3-D64-N70-clean"),
+    pytest.param(6, 24, 128, 40, False, 0, False, id="S6-H24-D128-N40-raw"),
+    pytest.param(4, 17, 64, 50, False, 30, False, id="S4-H17-D64-N50-compressed30"),
+    pytest.param(3, 1, 64, 33, True, 20, False, id="S3-H1-D64-N33-compressed-clean"),
+    pytest.param(7, 8, 64, 20, True, 0, True, id="S7-H8-D64-N20-causal"),
+    pytest.param(2, 2, 64, 0, True, 0, False, id="N0-empty"),
+]
+
+
+@pytest.mark.parametrize("S,H,D,N,clean,max_k,causal", RAGGED_CASES)
+def test_fp8_mqa_logits(S, H, D, N, clean, max_k, causal):
+    q, kv, w, ks, ke = _ragged_inputs(S, H, D, N, DEVICE, causal=causal)
+    if N > 0:
+        ks[0], ke[0] = 3, 3  # an empty window
+    want = ref.fp8_mqa_logits(q, kv, w, ks, ke, clean, max_k)
+    out = nb.fp8_mqa_logits(q, kv, w, ks, ke, clean_logits=clean, max_seqlen_k=max_k, impl="triton")
+    if not clean:
+        # entries outside the window are unspecified: compare inside only
+        out = torch.where(torch.isfinite(want), out, want)
+    _assert_logits(out, want, check_mask=True, what="ragged")
+
+
+PAGED_CASES = [
+    pytest.param(3, 1, 4, 64, 64, [70, 0, 130], False, 0, id="nn1-ctx1d-len0"),
+    pytest.param(2, 3, 5, 64, 32, [100, 3], True, 16, id="nn3-ctx2d-page32-padded"),
+    pytest.param(2, 4, 2, 128, 64, [65, 200], False, 0, id="nn4-ctx1d-D128"),
+    pytest.param(2, 2, 16, 64, 64, [1, 64], True, 32, id="nn2-ctx2d-padded"),
+]
+
+
+@pytest.mark.parametrize("B,next_n,H,D,page,lens,ctx_2d,pad", PAGED_CASES)
+def test_fp8_paged_mqa_logits(B, next_n, H, D, page, lens, ctx_2d, pad):
+    q, cache, w, ctx, table, max_len = _paged_inputs(B, next_n, H, D, page, lens, ctx_2d, DEVICE,
+                                                     pad_bytes=pad)
+    meta = nb.get_paged_mqa_logits_metadata(ctx, page, 4, impl="triton")
+    assert torch.equal(meta, ref.get_paged_mqa_logits_metadata(ctx, page, 4))
+    max_ctx = max_len + 9  # columns past every context stay -inf
+    want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx)
+    out = nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx, impl="triton")
+    _assert_logits(out, want, what="paged")
+
+
+@pytest.mark.parametrize("lens,num_sms", [
+    pytest.param([0, 300, 0, 1000, 5], 7, id="mixed"),
+    pytest.param([0, 0], 3, id="all-empty"),
+    pytest.param([4096] * 3, 2, id="fewer-sms"),
+    pytest.param([257], 16, id="more-sms"),
+])
+@pytest.mark.parametrize("ctx_2d", [False, True])
+def test_paged_metadata(lens, num_sms, ctx_2d):
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    if ctx_2d:
+        ctx = torch.stack([ctx // 2, ctx], dim=1).int()  # DeepGEMM schedules by the last column
+    out = ki.get_paged_mqa_logits_metadata_triton(ctx, 64, num_sms)
+    assert torch.equal(out, ref.get_paged_mqa_logits_metadata(ctx, 64, num_sms))
+
+
+def test_paged_metadata_matches_deep_gemm_schedule():
+    # ceil(len / 256) segments per request, spread evenly; (B, 0) sentinel when past the end
+    ctx = torch.tensor([300, 0, 1000], dtype=torch.int32)
+    out = ref.get_paged_mqa_logits_metadata(ctx, 64, 3)  # segments 2, 0, 4 -> 6 over 3 SMs
+    assert out.tolist() == [[0, 0], [2, 0], [2, 2], [3, 0]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Ahead-of-time compilation for every target architecture
+# ----------------------------------------------------------------------------------------------
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ.pop("TRITON_INTERPRET", None)
+    from nsa_backend.kernels import aot
+    from nsa_backend.kernels import indexer as ki
+    from nsa_backend.configs import indexer as ci
+
+    def compile_aligned(fn, sig, constexprs, arch, num_warps, num_stages, aligned):
+        return aot.compile_for_arch(fn, sig, constexprs, arch, num_warps, num_stages, aligned=aligned)
+
+    ptr_args = {"ragged": ["q_ptr", "k_ptr", "k_scale_ptr", "w_ptr", "ks_ptr", "ke_ptr", "out_ptr",
+                           "stride_out"],
+                "paged": ["q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "out_ptr", "stride_bt",
+                          "stride_page",
+                          "stride_out"]}
+    jobs = []
+    full = os.environ.get("NSA_AOT_FULL", "0") == "1"
+    for arch in aot.TARGET_ARCHS:
+        native = arch >= aot.FP8_NATIVE_MIN_ARCH
+        ragged = ci.shipped_ragged_configs(arch)
+        paged = ci.shipped_paged_configs(arch)
+        if not full:  # the largest shared-memory estimate of each kernel
+            ragged = [max(ragged, key=lambda it: it[2].shared_bytes_estimate(it[1], native))]
+            paged = [max(paged, key=lambda it: it[3].shared_bytes_estimate(it[2], native))]
+        jobs += [("ragged", arch, it) for it in ragged] + [("paged", arch, it) for it in paged]
+        jobs += [("schedule", arch, (1024, 16))]
+
+    def run(job):
+        kind, arch, it = job
+        native = arch >= aot.FP8_NATIVE_MIN_ARCH
+        ft = "*fp8e4nv" if native else "*u8"
+        if kind == "ragged":
+            hp, d, cfg = it
+            sig = dict(q_ptr=ft, k_ptr=ft, k_scale_ptr="*fp32", w_ptr="*fp32", ks_ptr="*i32", ke_ptr="*i32",
+                       out_ptr="*fp32", S="i32", N="i32", H="i32", stride_out="i32", max_seqlen_k="i32",
+                       w_scale="fp32", D="constexpr", HP="constexpr", BQ="constexpr", BLOCK_N="constexpr",
+                       CLEAN="constexpr", COMPRESSED="constexpr", FP8_NATIVE="constexpr")
+            cx = dict(D=d, HP=hp, BQ=max(1, cfg.cols // hp), BLOCK_N=cfg.block_n, CLEAN=True,
+                      COMPRESSED=False, FP8_NATIVE=native)
+            r = compile_aligned(ki._indexer_ragged_logits_kernel, sig, cx, arch, cfg.num_warps,
+                                cfg.num_stages, ptr_args["ragged"])
+        elif kind == "paged":
+            hp, nn, d, cfg = it
+            sig = dict(q_ptr=ft, kv_ptr="*u8", w_ptr="*fp32", ctx_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32",
+                       H="i32", max_ctx="i32", num_pages="i32", max_blocks="i32", stride_bt="i32",
+                       stride_page="i32", stride_out="i32", w_scale="fp32", NEXT_N="i32", CHUNK="i32",
+                       NP="constexpr", D="constexpr", HP="constexpr", PAGE="constexpr", BLOCK_N="constexpr",
+                       CTX_2D="constexpr", FP8_NATIVE="constexpr", SCALE_ALIGNED="constexpr")
+            cx = dict(NP=max(1, cfg.cols // hp), D=d, HP=hp, PAGE=64, BLOCK_N=cfg.block_n, CTX_2D=True,
+                      FP8_NATIVE=native, SCALE_ALIGNED=True)
+            r = compile_aligned(ki._indexer_paged_logits_kernel, sig, cx, arch, cfg.num_warps,
+                                cfg.num_stages, ptr_args["paged"])
+        else:
+            cfg = f"BLOCK_B={it[0]}"
+            sig = dict(ctx_ptr="*i32", out_ptr="*i32", B="i32", ctx_stride="i32", ctx_offset="i32",
+                       num_sms="i32", SPLIT="constexpr", BLOCK_B="constexpr", BLOCK_SM="constexpr")
+            r = compile_aligned(ki._indexer_paged_schedule_kernel, sig,
+                                dict(SPLIT=256, BLOCK_B=it[0], BLOCK_SM=it[1]), arch, 4, 1,
+                                ["ctx_ptr", "out_ptr"])
+        return [kind, arch, str(cfg), r.shared_bytes, aot.SHARED_MEMORY_LIMIT[arch]]
+
+    import multiprocessing as mp
+    with mp.get_context("fork").Pool(max(1, min(8, os.cpu_count() or 1))) as pool:
+        rows = pool.map(run, jobs, chunksize=1)
+    print("AOT-ROWS " + json.dumps(rows))
+    for row in rows:
+        print(*row)
+""")
+
+
+def test_aot_compile_all_archs():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("AOT-ROWS "))
+    rows = json.loads(line[len("AOT-ROWS "):])
+    archs = {r[1] for r in rows}
+    assert archs == {80, 86, 89, 90, 100, 120, 121}
+    for kind, arch, cfg, shared, limit in rows:
+        assert shared <= limit, f"{kind} sm_{arch} {cfg}: {shared} B shared > {limit} B"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU fuzz
+# ----------------------------------------------------------------------------------------------
+
+FUZZ_HEADS = (1, 8, 24, 32, 64, 128)
+FUZZ_CASES = int(os.environ.get("NSA_FUZZ_CASES", "300"))
+
+
+@pytest.mark.gpu
+def test_fuzz_fp8_mqa_logits_gpu():
+    rng = random.Random(1234)
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    for case in range(FUZZ_CASES):
+        H = rng.choice(FUZZ_HEADS)
+        D = 128 if rng.random() < 0.8 else 64
+        big = rng.random() < 0.1
+        N = rng.randint(0, 70000) if big else rng.randint(0, 3000)
+        S = rng.randint(1, 8) if big else rng.randint(1, 96)
+        clean = rng.random() < 0.5
+        causal = rng.random() < 0.3 and N >= S
+        max_k = rng.choice([0, 0, rng.randint(1, max(N, 1) + 5)])
+        q, kv, w, ks, ke = _ragged_inputs(S, H, D, N, "cuda", causal=causal, gen=gen)
+        want = ref.fp8_mqa_logits(q, kv, w, ks, ke, clean, max_k)
+        out = nb.fp8_mqa_logits(q, kv, w, ks, ke, clean_logits=clean, max_seqlen_k=max_k, impl="triton")
+        if not clean:
+            out = torch.where(torch.isfinite(want), out, want)
+        _assert_logits(out, want, what=f"case {case}: S={S} H={H} D={D} N={N} clean={clean} max_k={max_k}")
+
+
+@pytest.mark.gpu
+def test_fuzz_fp8_paged_mqa_logits_gpu():
+    rng = random.Random(99)
+    for case in range(FUZZ_CASES):
+        H = rng.choice(FUZZ_HEADS)
+        D = 128 if rng.random() < 0.8 else 64
+        page = 32 if rng.random() < 0.2 else 64
+        next_n = rng.randint(1, 4)
+        B = rng.randint(1, 12)
+        big = rng.random() < 0.08
+        lens = [rng.choice([0, rng.randint(1, 70000 if big else 2000)]) if rng.random() < 0.2
+                else rng.randint(1, 70000 if big else 2000) for _ in range(B)]
+        if big:
+            B = min(B, 3)
+            lens = lens[:B]
+        ctx_2d = rng.random() < 0.5
+        pad = rng.choice([0, 0, 16, 64])
+        q, cache, w, ctx, table, max_len = _paged_inputs(B, next_n, H, D, page, lens, ctx_2d, "cuda", pad)
+        num_sms = rng.choice([1, 7, 132])
+        meta = nb.get_paged_mqa_logits_metadata(ctx, page, num_sms, impl="triton")
+        want_meta = ref.get_paged_mqa_logits_metadata(ctx, page, num_sms)
+        assert torch.equal(meta, want_meta), f"case {case}: metadata"
+        max_ctx = max_len + rng.choice([0, 1, 100])
+        want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx)
+        out = nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx, impl="triton")
+        _assert_logits(out, want, what=f"case {case}: B={B} next_n={next_n} H={H} D={D} page={page} "
+                                       f"ctx_2d={ctx_2d} pad={pad} lens={lens}")
+
+
+@pytest.mark.gpu
+def test_fuzz_paged_metadata_gpu():
+    rng = random.Random(7)
+    for case in range(FUZZ_CASES):
+        B = rng.randint(0, 2000)
+        next_n = rng.randint(1, 4)
+        lens = torch.randint(0, rng.choice([1, 300, 70000]), (B, next_n), dtype=torch.int32, device="cuda")
+        ctx = lens if rng.random() < 0.5 else lens[:, 0].contiguous()
+        num_sms = rng.choice([1, 2, 78, 132, 148, 170])
+        out = nb.get_paged_mqa_logits_metadata(ctx, 64, num_sms, impl="triton")
+        assert torch.equal(out, ref.get_paged_mqa_logits_metadata(ctx, 64, num_sms)), f"case {case}: B={B}"
+
+
+@pytest.mark.gpu
+def test_paged_logits_graph_capture_gpu():
+    q, cache, w, ctx, table, _ = _paged_inputs(4, 2, 64, 128, 64, [500, 0, 64, 1000], True, "cuda")
+    meta = nb.get_paged_mqa_logits_metadata(ctx, 64, 132, impl="triton")
+    nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, 1024, impl="triton")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        meta_g = nb.get_paged_mqa_logits_metadata(ctx, 64, 132, impl="triton")
+        out_g = nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta_g, 1024, impl="triton")
+    ctx.copy_(torch.tensor([[10, 11], [0, 0], [900, 901], [1000, 1000]], dtype=torch.int32, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, 1024)
+    _assert_logits(out_g, want, what="graph replay")
+    assert torch.equal(meta_g, ref.get_paged_mqa_logits_metadata(ctx, 64, 132))

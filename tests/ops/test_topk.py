@@ -1,0 +1,222 @@
+"""Triton top-k selection and logical-to-global index translation against ``nsa_backend.reference``.
+
+Top-k results are compared as sets: with distinct logits the selected set must equal the
+reference's (recall 1.0); with ties, any choice among equal values is accepted, so the sorted
+selected values must equal the reference's. Every row must hold exactly
+``min(topk, valid columns)`` distinct in-window indices followed by ``-1``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import nsa_backend as nb
+from nsa_backend import reference as ref
+
+pytest.importorskip("triton")
+kt = pytest.importorskip("nsa_backend.kernels.topk")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_topk(out, logits, topk, starts, ends, distinct, what=""):
+    R, N = logits.shape
+    want = ref.topk_indices(logits, topk, starts, ends)
+    assert out.shape == (R, topk) and out.dtype == torch.int32, what
+    dev = out.device
+    lo = starts.long().clamp(min=0) if starts is not None else torch.zeros(R, dtype=torch.long, device=dev)
+    hi = ends.long().clamp(max=N) if ends is not None else torch.full((R,), N, dtype=torch.long, device=dev)
+    n_valid = (hi - lo).clamp(min=0)
+    k_eff = n_valid.clamp(max=topk)
+    got_valid = out >= 0
+    assert torch.equal(got_valid.sum(1), k_eff), f"{what}: wrong number of indices"
+    # valid entries first, then -1
+    assert torch.equal(got_valid, torch.arange(topk, device=out.device)[None, :] < k_eff[:, None]), what
+    idx = out.long().clamp(min=0)
+    in_window = (idx >= lo[:, None]) & (idx < hi[:, None])
+    assert bool((in_window | ~got_valid).all()), f"{what}: index out of window"
+    srt = torch.where(got_valid, idx, N + torch.arange(topk, device=out.device)[None, :]).sort(1).values
+    assert bool((srt[:, 1:] != srt[:, :-1]).all()), f"{what}: duplicate index"
+    if distinct:
+        a = torch.where(got_valid, out, -1).sort(1).values
+        b = want.sort(1).values
+        assert torch.equal(a, b), f"{what}: selected set differs (recall < 1)"
+    else:
+        ninf = torch.tensor(float("-inf"), device=out.device)
+        va = torch.where(got_valid, logits.gather(1, idx), ninf).sort(1).values
+        wv = want >= 0
+        vb = torch.where(wv, logits.gather(1, want.long().clamp(min=0)), ninf).sort(1).values
+        assert torch.equal(va, vb), f"{what}: selected values differ"
+
+
+def _distinct_logits(R, N, device, gen=None):
+    # distinct values: a random permutation of a grid, with both signs
+    vals = torch.stack([torch.randperm(N, device=device, generator=gen) for _ in range(R)]).float()
+    return (vals - N / 2) * 0.37
+
+
+TOPK_CASES = [
+    pytest.param(4, 300, 16, "none", True, id="R4-N300-k16"),
+    pytest.param(3, 50, 64, "window", True, id="fewer-valid-than-k"),
+    pytest.param(2, 5000, 100, "window", True, id="N5000-window"),
+    pytest.param(3, 2000, 64, "ends", False, id="ties"),
+    pytest.param(2, 600, 32, "ends", False, id="ties-with-inf"),
+]
+
+
+@pytest.mark.parametrize("R,N,topk,mode,distinct", TOPK_CASES)
+def test_topk_indices(R, N, topk, mode, distinct):
+    if distinct:
+        logits = _distinct_logits(R, N, DEVICE)
+    else:
+        logits = torch.randint(-3, 4, (R, N), device=DEVICE).float()  # heavy ties
+        if N == 600:  # -inf entries and one +inf
+            logits[:, ::7] = float("-inf")
+            logits[0, 5] = float("inf")
+    starts = ends = None
+    if mode == "window":
+        starts = torch.randint(0, N // 2, (R,), dtype=torch.int32, device=DEVICE)
+        ends = (starts + torch.randint(0, N, (R,), device=DEVICE)).int()
+        starts[0], ends[0] = 10, 10  # an empty row
+    elif mode == "ends":
+        ends = torch.randint(0, N + 1, (R,), dtype=torch.int32, device=DEVICE)
+        ends[-1] = N
+    out = nb.topk_indices(logits, topk, starts, ends, impl="triton")
+    _check_topk(out, logits, topk, starts, ends, distinct, what=mode)
+
+
+@pytest.mark.parametrize("distinct", [True, False])
+def test_topk_candidate_overflow(monkeypatch, distinct):
+    # a threshold bin larger than the candidate list: the finishing kernel scans the whole row
+    from nsa_backend.configs import topk as ct
+
+    monkeypatch.setattr(ct, "MAX_CANDIDATES", 8)
+    R, N, topk = 3, 3000, 50
+    logits = _distinct_logits(R, N, DEVICE) * 1e-3 + 1.0 if distinct else \
+        torch.randint(0, 3, (R, N), device=DEVICE).float()
+    ends = torch.tensor([N, N - 7, 60], dtype=torch.int32, device=DEVICE)
+    out = nb.topk_indices(logits, topk, None, ends, impl="triton")
+    _check_topk(out, logits, topk, None, ends, distinct, what="overflow")
+
+
+def test_logical_to_global_indices():
+    idx = torch.tensor([[0, 5, -1, 130, 64], [64, 3, 100, -7, 200]], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[2, 0, 5], [1, -1, 4]], dtype=torch.int32, device=DEVICE)
+    req = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    for page in (64, 32):
+        out = nb.logical_to_global_indices(idx, table, req, page, impl="triton")
+        assert torch.equal(out, ref.logical_to_global_indices(idx, table, req, page))
+
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ.pop("TRITON_INTERPRET", None)
+    from nsa_backend.kernels import aot
+    from nsa_backend.kernels import topk as kt
+    from nsa_backend.configs import topk as ct
+
+    def compile_aligned(fn, sig, constexprs, arch, num_warps, aligned):
+        return aot.compile_for_arch(fn, sig, constexprs, arch, num_warps, 1, aligned=aligned).shared_bytes
+
+    rows = []
+    common = dict(N="i32", K="i32", stride_x="i32")
+    flags = dict(HAS_STARTS=True, HAS_ENDS=True)
+    for arch in aot.TARGET_ARCHS:
+        for cfg in ct.shipped_configs():
+            sig = dict(x_ptr="*fp32", hist_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32", **common,
+                       SPLIT="i32", BLOCK="constexpr", LEVEL="constexpr", HAS_STARTS="constexpr",
+                       HAS_ENDS="constexpr")
+            sh = compile_aligned(kt._topk_histogram_kernel, sig, dict(BLOCK=cfg.block, LEVEL=1, **flags),
+                                 arch, cfg.num_warps, ["x_ptr", "hist_ptr", "stride_x"])
+            rows.append(["histogram", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
+            sig = dict(x_ptr="*fp32", hist_ptr="*i32", count_ptr="*i32", cand_ptr="*i32", out_ptr="*i32",
+                       starts_ptr="*i32", ends_ptr="*i32", **common, SPLIT="i32", CAP="i32",
+                       BLOCK="constexpr", HAS_STARTS="constexpr", HAS_ENDS="constexpr")
+            sh = compile_aligned(kt._topk_filter_kernel, sig, dict(BLOCK=cfg.block, **flags), arch,
+                                 cfg.num_warps, ["x_ptr", "hist_ptr", "cand_ptr", "out_ptr", "stride_x"])
+            rows.append(["filter", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
+        sig = dict(x_ptr="*fp32", hist_ptr="*i32", cand_ptr="*i32", out_ptr="*i32", starts_ptr="*i32",
+                   ends_ptr="*i32", **common, CAP="i32", BLOCK="constexpr", HAS_STARTS="constexpr",
+                   HAS_ENDS="constexpr")
+        sh = compile_aligned(kt._topk_finish_kernel, sig, dict(BLOCK=ct.FINISH_BLOCK, **flags), arch,
+                             ct.FINISH_NUM_WARPS, ["x_ptr", "hist_ptr", "cand_ptr", "out_ptr", "stride_x"])
+        rows.append(["finish", arch, "", sh, aot.SHARED_MEMORY_LIMIT[arch]])
+        sig = dict(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", out_ptr="*i32", K="i32", B="i32", M="i32",
+                   stride_bt="i32", page_size="i32", BLOCK="constexpr")
+        sh = compile_aligned(kt._topk_logical_to_global_kernel, sig, dict(BLOCK=ct.L2G_BLOCK), arch,
+                             ct.L2G_NUM_WARPS, ["idx_ptr", "out_ptr"])
+        rows.append(["logical_to_global", arch, "", sh, aot.SHARED_MEMORY_LIMIT[arch]])
+    print("AOT-ROWS " + json.dumps(rows))
+""")
+
+
+def test_aot_compile_all_archs():
+    import json
+
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("AOT-ROWS "))
+    rows = json.loads(line[len("AOT-ROWS "):])
+    assert {r[1] for r in rows} == {80, 86, 89, 90, 100, 120, 121}
+    for kind, arch, cfg, shared, limit in rows:
+        assert shared <= limit, f"{kind} sm_{arch} {cfg}: {shared} B shared > {limit} B"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU fuzz
+# ----------------------------------------------------------------------------------------------
+
+FUZZ_CASES = int(os.environ.get("NSA_FUZZ_CASES", "300"))
+
+
+@pytest.mark.gpu
+def test_fuzz_topk_indices_gpu():
+    rng = random.Random(5)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for case in range(FUZZ_CASES):
+        topk = rng.choice([2048, 2048, 1024, 512, rng.randint(1, 3000)])
+        big = rng.random() < 0.15
+        N = rng.randint(0, 131072) if big else rng.randint(0, 9000)
+        R = rng.randint(1, 4) if big else rng.randint(1, 40)
+        distinct = rng.random() < 0.6
+        if distinct:
+            logits = _distinct_logits(R, N, "cuda", gen) if N else torch.empty(R, 0, device="cuda")
+        else:
+            logits = torch.randint(-rng.randint(1, 50), 50, (R, N), device="cuda", generator=gen).float()
+            if N and rng.random() < 0.3:
+                logits[:, :: rng.randint(2, 9)] = float("-inf")
+        mode = rng.choice(["none", "ends", "window"])
+        starts = ends = None
+        if mode != "none":
+            ends = torch.randint(0, N + 1, (R,), dtype=torch.int32, device="cuda", generator=gen)
+        if mode == "window":
+            starts = (ends - torch.randint(0, N + 1, (R,), device="cuda", generator=gen)).clamp(min=0).int()
+        out = nb.topk_indices(logits, topk, starts, ends, impl="triton")
+        _check_topk(out, logits, topk, starts, ends, distinct,
+                    what=f"case {case}: R={R} N={N} topk={topk} mode={mode} distinct={distinct}")
+
+
+@pytest.mark.gpu
+def test_fuzz_logical_to_global_gpu():
+    rng = random.Random(11)
+    for case in range(FUZZ_CASES):
+        page = rng.choice([1, 16, 32, 64])
+        B, M = rng.randint(1, 20), rng.randint(0, 50)
+        R, K = rng.randint(1, 64), rng.choice([1, 512, 2048])
+        table = torch.randint(-1, 10000, (B, M), dtype=torch.int32, device="cuda")
+        idx = torch.randint(-2, max(M, 1) * page + 10, (R, K), dtype=torch.int32, device="cuda")
+        req = torch.randint(0, B, (R,), dtype=torch.int32, device="cuda")
+        out = nb.logical_to_global_indices(idx, table, req, page, impl="triton")
+        assert torch.equal(out, ref.logical_to_global_indices(idx, table, req, page)), f"case {case}"
