@@ -109,6 +109,29 @@ OP_FAMILY: dict[str, str] = {
 }
 
 
+def custom_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` as the torch custom op ``name`` and return a caller that uses the op only when
+    tracing (``torch.compile``), and calls ``fn`` directly in eager mode.
+
+    Both paths run the same function; skipping the dispatcher in eager mode removes tens of
+    microseconds of host time per call, which matters for decode steps run outside CUDA graphs.
+    The returned caller exposes ``register_fake`` and the registered op as ``.op``.
+    """
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any) -> Any:
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+        call.register_fake = op.register_fake  # type: ignore[attr-defined]
+        call.op = op  # type: ignore[attr-defined]
+        return call
+
+    return wrap
+
+
 def available_impls(op: str) -> list[str]:
     """Implementation names whose module is present in this installation (not necessarily usable)."""
     return [name for name, path in IMPLEMENTATIONS[op].items() if _module_present(path.split(":")[0])]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from nsa_backend._checks import FP8, check_bool, check_int, check_tensor
-from nsa_backend._dispatch import get_impl, resolve_impl
+from nsa_backend._dispatch import custom_op, get_impl, resolve_impl
 
 HEAD_DIMS = (64, 128)
 MAX_HEADS = 128
@@ -23,7 +23,7 @@ MAX_NEXT_N = 4
 # Ragged logits (prefill)
 # ----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("nsa_backend::fp8_mqa_logits", mutates_args=())
+@custom_op("nsa_backend::fp8_mqa_logits", mutates_args=())
 def _fp8_mqa_logits_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
                        ks: torch.Tensor, ke: torch.Tensor, clean_logits: bool, max_seqlen_k: int,
                        impl: str) -> torch.Tensor:
@@ -114,7 +114,7 @@ def fp8_mqa_logits(
 # Paged logits (decode / MTP)
 # ----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("nsa_backend::get_paged_mqa_logits_metadata", mutates_args=())
+@custom_op("nsa_backend::get_paged_mqa_logits_metadata", mutates_args=())
 def _paged_metadata_op(context_lens: torch.Tensor, block_kv: int, num_sms: int, impl: str) -> torch.Tensor:
     return get_impl("get_paged_mqa_logits_metadata", impl)(context_lens, block_kv, num_sms)
 
@@ -162,7 +162,7 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     return _paged_metadata_op(context_lens.contiguous(), block_kv, num_sms, name)
 
 
-@torch.library.custom_op("nsa_backend::fp8_paged_mqa_logits", mutates_args=())
+@custom_op("nsa_backend::fp8_paged_mqa_logits", mutates_args=())
 def _fp8_paged_mqa_logits_op(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                              context_lens: torch.Tensor, block_table: torch.Tensor, schedule_meta: torch.Tensor,
                              max_context_len: int, clean_logits: bool, impl: str) -> torch.Tensor:
@@ -263,7 +263,7 @@ def fp8_paged_mqa_logits(
 # Indexer key cache packing
 # ----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("nsa_backend::pack_indexer_k_cache", mutates_args=())
+@custom_op("nsa_backend::pack_indexer_k_cache", mutates_args=())
 def _pack_indexer_k_cache_op(k: torch.Tensor, k_scale: torch.Tensor | None, block_kv: int,
                              impl: str) -> torch.Tensor:
     arg = (k, k_scale) if k_scale is not None else k

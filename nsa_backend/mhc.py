@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 
 from nsa_backend._checks import check_int, check_tensor
-from nsa_backend._dispatch import get_impl, resolve_impl
+from nsa_backend._dispatch import custom_op, get_impl, resolve_impl
 
 K_ALIGN = 64
 N_ALIGN = 8
 MAX_N = 128
 
 
-@torch.library.custom_op("nsa_backend::tf32_hc_prenorm_gemm", mutates_args=("d", "sqr_sum"))
+@custom_op("nsa_backend::tf32_hc_prenorm_gemm", mutates_args=("d", "sqr_sum"))
 def _hc_prenorm_op(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqr_sum: torch.Tensor,
                    num_splits: int | None, impl: str) -> None:
     get_impl("tf32_hc_prenorm_gemm", impl)(a, b, d, sqr_sum, num_splits)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from nsa_backend._checks import check_choice, check_tensor
-from nsa_backend._dispatch import get_impl, resolve_impl
+from nsa_backend._dispatch import custom_op, get_impl, resolve_impl
 from nsa_backend.reference import DS_MLA_TOKEN_BYTES
 
 SCALE_FORMATS = ("arbitrary", "pow2")
 D_QK = 576
 
 
-@torch.library.custom_op("nsa_backend::pack_fp8_ds_mla", mutates_args=())
+@custom_op("nsa_backend::pack_fp8_ds_mla", mutates_args=())
 def _pack_op(kv: torch.Tensor, scale_format: str, impl: str) -> torch.Tensor:
     return get_impl("pack_fp8_ds_mla", impl)(kv, scale_format)
 
@@ -49,7 +49,7 @@ def pack_fp8_ds_mla(kv: torch.Tensor, scale_format: str = "arbitrary", *, impl: 
     return _pack_op(kv.contiguous(), scale_format, name)
 
 
-@torch.library.custom_op("nsa_backend::unpack_fp8_ds_mla", mutates_args=())
+@custom_op("nsa_backend::unpack_fp8_ds_mla", mutates_args=())
 def _unpack_op(packed: torch.Tensor, impl: str) -> torch.Tensor:
     return get_impl("unpack_fp8_ds_mla", impl)(packed)
 
@@ -82,7 +82,7 @@ def unpack_fp8_ds_mla(packed: torch.Tensor, *, impl: str = "auto") -> torch.Tens
     return flat.view(*shape[:-1], D_QK)
 
 
-@torch.library.custom_op("nsa_backend::write_fp8_ds_mla_cache", mutates_args=("kv_cache",))
+@custom_op("nsa_backend::write_fp8_ds_mla_cache", mutates_args=("kv_cache",))
 def _write_op(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, scale_format: str,
               impl: str) -> None:
     get_impl("write_fp8_ds_mla_cache", impl)(kv, kv_cache, slot_mapping, scale_format)

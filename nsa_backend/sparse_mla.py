@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from nsa_backend._checks import check_choice, check_float, check_int, check_tensor
-from nsa_backend._dispatch import get_impl, resolve_impl
+from nsa_backend._dispatch import custom_op, get_impl, resolve_impl
 from nsa_backend.reference import DS_MLA_TOKEN_BYTES
 
 D_QK_CHOICES = (512, 576)
@@ -30,7 +30,7 @@ def _check_common(h_q: int, d_qk: int, d_v: int, topk: int) -> None:
     check_int(topk, "indices.shape[-1] (topk)", min_value=1)
 
 
-@torch.library.custom_op("nsa_backend::flash_mla_sparse_fwd", mutates_args=())
+@custom_op("nsa_backend::flash_mla_sparse_fwd", mutates_args=())
 def _sparse_fwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
                    attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
                    impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,7 +114,7 @@ def flash_mla_sparse_fwd(
                           topk_length, name)
 
 
-@torch.library.custom_op("nsa_backend::sparse_mla_decode", mutates_args=())
+@custom_op("nsa_backend::sparse_mla_decode", mutates_args=())
 def _sparse_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
                       kv_format: str, attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
                       impl: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from nsa_backend._checks import check_int, check_tensor
-from nsa_backend._dispatch import get_impl, resolve_impl
+from nsa_backend._dispatch import custom_op, get_impl, resolve_impl
 
 MAX_TOPK = 1 << 16
 
 
-@torch.library.custom_op("nsa_backend::topk_indices", mutates_args=())
+@custom_op("nsa_backend::topk_indices", mutates_args=())
 def _topk_indices_op(logits: torch.Tensor, topk: int, starts: torch.Tensor | None, ends: torch.Tensor | None,
                      impl: str) -> torch.Tensor:
     return get_impl("topk_indices", impl)(logits, topk, starts, ends)
@@ -60,7 +60,7 @@ def topk_indices(
     return _topk_indices_op(logits.contiguous(), topk, starts, ends, name)
 
 
-@torch.library.custom_op("nsa_backend::logical_to_global_indices", mutates_args=())
+@custom_op("nsa_backend::logical_to_global_indices", mutates_args=())
 def _logical_to_global_op(indices: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor, page_size: int,
                           impl: str) -> torch.Tensor:
     return get_impl("logical_to_global_indices", impl)(indices, block_table, req_ids, page_size)

@@ -37,9 +37,9 @@ def _row(op: str, shape: dict[str, Any], impl: str, ms: float | None, flops: flo
             "gbps": gbps(nbytes, ms), "ratios": {k: v for k, v in ratios.items() if v is not None}}
 
 
-def _time(fn) -> tuple[float | None, str | None]:
+def _time(fn, graph: bool = False) -> tuple[float | None, str | None]:
     try:
-        return bench_ms(fn, WARMUP_MS, REP_MS), None
+        return bench_ms(fn, WARMUP_MS, REP_MS, graph=graph), None
     except Exception as exc:  # a failing implementation is reported, the others still run
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
@@ -161,6 +161,15 @@ def _paged_rows(B: int, L: int, next_n: int, H: int, D: int, copy_rate: float | 
     if note:
         row["note"] = note
     rows = [row]
+    # Decode runs inside CUDA graphs in SGLang and vLLM: the replay time is the served cost.
+    g_ms, g_note = _time(lambda: nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, L, impl="triton"), graph=True)
+    g_rate = kv_bytes / g_ms / 1e6 if g_ms else None
+    g_row = _row("fp8_paged_mqa_logits", shape, "triton-graph", g_ms, None, kv_bytes,
+                 vs_copy=(g_rate / copy_rate) if (g_rate and copy_rate) else None)
+    g_row["limit"] = ["copy_gbps"]
+    if g_note:
+        g_row["note"] = g_note
+    rows.append(g_row)
     baselines = {}
     if L <= 16384:
         baselines["torch"] = lambda: torch_paged_logits(q, cache, w, ctx, table, L)

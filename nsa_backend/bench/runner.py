@@ -41,7 +41,9 @@ from nsa_backend.bench.limits import LIMIT_KEYS, limit_sizes, measure_limits
 from nsa_backend.bench.schema import SCHEMA_VERSION, validate, validate_row
 
 # Implementations of this package: the rows the "vs_<impl>" ratios are computed for.
-OURS_IMPLS: tuple[str, ...] = ("triton",)
+OURS_IMPLS: tuple[str, ...] = ("triton", "triton-graph")
+# Rows timed as CUDA-graph replays carry this suffix; they are compared only with each other.
+GRAPH_SUFFIX = "-graph"
 NATIVE_MODULES: tuple[str, ...] = ("deep_gemm", "flash_mla", "flashinfer")
 
 # Benchmark family of every public op (for ``--ops <op name>``).
@@ -156,7 +158,8 @@ def compute_ratios(rows: Sequence[dict[str, Any]], limits: dict[str, float | Non
       measured copy bandwidth / bf16 / fp8 matmul rate, for the limits that bound the op
       (``OP_LIMITS`` or the row's ``limit``); every row gets them.
     - ``vs_<impl>``: for rows of our implementations, ``ms of <impl> / ms of this row`` on the same
-      family, op and shape: how many times faster than ``<impl>`` (``> 1`` is faster).
+      family, op and shape: how many times faster than ``<impl>`` (``> 1`` is faster). Eager rows are
+      compared with eager rows, CUDA-graph rows (``*-graph``) with CUDA-graph rows.
     """
     ours = set(ours)
     groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
@@ -174,8 +177,9 @@ def compute_ratios(rows: Sequence[dict[str, Any]], limits: dict[str, float | Non
                 ratios[LIMIT_RATIO[name]] = rate / limit
         ms = row.get("ms")
         if row["impl"] in ours and ms:
+            graphed = row["impl"].endswith(GRAPH_SUFFIX)
             for impl, other in groups[_group_key(row)].items():
-                if impl != row["impl"] and other.get("ms"):
+                if impl != row["impl"] and other.get("ms") and impl.endswith(GRAPH_SUFFIX) == graphed:
                     ratios[f"vs_{impl}"] = other["ms"] / ms
         for name, value in (row.get("ratios") or {}).items():
             if value is not None or name not in ratios:

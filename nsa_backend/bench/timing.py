@@ -9,6 +9,9 @@ the same way:
   every call.
 - CUDA, ``flush_l2=False``: CUDA events without the cache clear (warm-L2 numbers).
 - CPU: ``time.perf_counter`` around every call, median.
+- ``graph=True`` (CUDA): ``fn`` is captured once in a CUDA graph and the replay is timed, which is
+  how SGLang and vLLM run decode steps; host-side launch costs (validation, routing, Python) then
+  drop out and the number is the GPU time of the captured kernels.
 
 ``warmup`` and ``rep`` are time budgets in milliseconds, as in ``triton.testing.do_bench``: the
 number of calls follows from a first estimate of one call's time.
@@ -45,6 +48,7 @@ def bench_ms(
     *,
     flush_l2: bool = True,
     device: str | torch.device | None = None,
+    graph: bool = False,
 ) -> float:
     """Median time of one call of ``fn`` in milliseconds.
 
@@ -60,6 +64,8 @@ def bench_ms(
         CUDA only: clear the L2 cache before every timed call (cold-cache numbers).
     device : str or torch.device, optional
         Where ``fn`` runs; ``None`` means CUDA when available, else CPU.
+    graph : bool
+        CUDA only: time the replay of ``fn`` captured in a CUDA graph.
 
     Returns
     -------
@@ -68,6 +74,8 @@ def bench_ms(
     """
     if not _on_cuda(device):
         return _bench_cpu(fn, warmup, rep)
+    if graph:
+        fn = cuda_graph_replay(fn)
     if flush_l2:
         try:
             from triton.testing import do_bench
@@ -76,6 +84,20 @@ def bench_ms(
         if do_bench is not None:
             return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     return _bench_cuda_events(fn, warmup, rep, flush_l2)
+
+
+def cuda_graph_replay(fn: Callable[[], Any], warmup_calls: int = 2) -> Callable[[], Any]:
+    """Capture ``fn`` in a CUDA graph (after warm-up calls on a side stream); return its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _bench_cpu(fn: Callable[[], Any], warmup: float, rep: float) -> float:

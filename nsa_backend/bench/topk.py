@@ -24,9 +24,9 @@ TOPK = 2048
 WARMUP_MS, REP_MS = 10.0, 40.0
 
 
-def _time(fn) -> tuple[float | None, str | None]:
+def _time(fn, graph: bool = False) -> tuple[float | None, str | None]:
     try:
-        return bench_ms(fn, WARMUP_MS, REP_MS), None
+        return bench_ms(fn, WARMUP_MS, REP_MS, graph=graph), None
     except Exception as exc:
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
@@ -69,6 +69,14 @@ def _case_rows(kind: str, R: int, N: int, next_n: int, copy_rate: float | None) 
     t_ms, t_note = _time(lambda: torch.topk(logits, TOPK, dim=1))
     rows.append(_row("topk_indices", shape, "torch", t_ms, nbytes, t_note,
                      triton_speedup=(t_ms / ms) if (t_ms and ms) else None))
+    if kind == "paged":
+        # Decode steps run as CUDA-graph replays in SGLang and vLLM; compare both captured.
+        g_ms, g_note = _time(lambda: nb.topk_indices(logits, TOPK, None, ends, impl="triton"), graph=True)
+        tg_ms, tg_note = _time(lambda: torch.topk(logits, TOPK, dim=1), graph=True)
+        rows.append(_row("topk_indices", shape, "triton-graph", g_ms, nbytes, g_note,
+                         vs_copy=(nbytes / g_ms / 1e6 / copy_rate) if (g_ms and copy_rate) else None))
+        rows.append(_row("topk_indices", shape, "torch-graph", tg_ms, nbytes, tg_note,
+                         triton_speedup=(tg_ms / g_ms) if (tg_ms and g_ms) else None))
     return rows
 
 

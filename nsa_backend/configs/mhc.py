@@ -1,0 +1,122 @@
+"""Launch configurations of the mHC pre-norm GEMM kernels (``nsa_backend/kernels/mhc.py``).
+
+The GEMM ``d = a @ b.T`` with ``N <= 128`` is bound by reading ``a`` (``M x K`` bf16) from memory,
+so the tables below aim at bytes in flight, not at tensor-core shapes:
+
+- ``GEMM_CONFIGS[block_n]`` lists candidate tiles, best first. :func:`gemm_config` returns the
+  first one whose estimated shared memory fits the architecture (``SHARED_MEMORY_LIMIT``); the
+  ahead-of-time test compiles every configuration :func:`shipped_configs` can return and checks
+  the compiler's number.
+- Small ``M`` shrinks ``block_m`` to the next power of two (at least 16) to skip idle MMA rows.
+- ``PROGRAMS_PER_SM`` and ``MIN_CHUNK_K`` drive the split of K across programs (see
+  ``nsa_backend.kernels.mhc.split_plan``): enough programs to fill the GPU, but no program with
+  fewer than ``MIN_CHUNK_K`` columns of ``a``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, TARGET_ARCHS
+
+# Widths of the N tile: N (a multiple of 8, at most 128) is padded to the next of these.
+BLOCK_N_BUCKETS: tuple[int, ...] = (16, 32, 64, 128)
+# block_m used for small M, smallest first (tl.dot needs at least 16 rows; 16 serves decode).
+SMALL_BLOCK_M: tuple[int, ...] = (16, 64)
+
+# Split-K planning (fitted to the H200 sweep in bench/results/h200/mhc.json): programs run in waves
+# of PROGRAMS_PER_SM per SM, a chunk reads at least MIN_CHUNK_K columns, and starting a program
+# costs about as much as reading PROGRAM_OVERHEAD_K more columns.
+PROGRAMS_PER_SM = 2
+MIN_CHUNK_K = 512
+PROGRAM_OVERHEAD_K = 64
+
+# Multiplication precision of the GEMM kernel: "bf16x3" (b split into three bf16 parts, a used as
+# bf16: about float32 accuracy, 3 bf16 MMAs) or "tf32" (a converted to fp32, exact in TF32; b rounded
+# to TF32, as DeepGEMM). On the H200 bf16x3 was 1.6-2.0x faster than tf32 (the fp32 operand path
+# costs more than the extra MMAs), so it is the default.
+DEFAULT_PRECISION = "bf16x3"
+PRECISIONS: tuple[str, ...] = ("tf32", "bf16x3")
+
+# Split reduction kernel: a program loads [block_j, block] partial sums at once, block_j the chunk
+# count rounded up to a power of two (at most REDUCE_MAX_BLOCK_J), block_j * block = REDUCE_TILE.
+REDUCE_TILE = 4096
+REDUCE_MAX_BLOCK_J = 64
+REDUCE_NUM_WARPS = 4
+
+# Used when the architecture is unknown (CPU interpreter): the smallest budget we ship for.
+FALLBACK_SHARED_MEMORY = min(SHARED_MEMORY_LIMIT[a] for a in TARGET_ARCHS)
+# Share of the budget the estimate may use (the compiler adds scratch for layout conversions).
+SHARED_MEMORY_MARGIN = 0.85
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration of ``_hc_prenorm_gemm_kernel``."""
+
+    block_m: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def shared_bytes_estimate(self, block_n: int) -> int:
+        """Pipelined tiles of ``a`` (bf16) and ``b`` (fp32) held in shared memory."""
+        return self.num_stages * self.block_k * (2 * self.block_m + 4 * block_n)
+
+
+GEMM_CONFIGS: dict[int, tuple[GemmConfig, ...]] = {
+    16: (GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 3), GemmConfig(64, 64, 4, 3)),
+    32: (GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 3), GemmConfig(64, 64, 4, 3)),
+    64: (GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3)),
+    128: (GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3), GemmConfig(64, 64, 4, 2)),
+}
+
+
+def block_n_for(n: int) -> int:
+    """N tile width for ``n`` output columns."""
+    for bn in BLOCK_N_BUCKETS:
+        if n <= bn:
+            return bn
+    raise ValueError(f"n: expected at most {BLOCK_N_BUCKETS[-1]}, got {n}")
+
+
+def shared_memory_budget(arch: int | None) -> int:
+    """Bytes of shared memory a program may use on ``sm_<arch>`` (``None``: the smallest we ship for)."""
+    if arch is None:
+        return FALLBACK_SHARED_MEMORY
+    return SHARED_MEMORY_LIMIT.get(arch, FALLBACK_SHARED_MEMORY)
+
+
+def gemm_config(n: int, m: int, arch: int | None) -> tuple[int, GemmConfig]:
+    """``(block_n, config)`` for ``n`` columns and ``m`` rows on ``sm_<arch>``."""
+    block_n = block_n_for(n)
+    budget = shared_memory_budget(arch) * SHARED_MEMORY_MARGIN
+    candidates = GEMM_CONFIGS[block_n]
+    cfg = next((c for c in candidates if c.shared_bytes_estimate(block_n) <= budget), candidates[-1])
+    for bm in SMALL_BLOCK_M:
+        if m <= bm < cfg.block_m:
+            cfg = replace(cfg, block_m=bm)
+            break
+    return block_n, cfg
+
+
+def reduce_blocks(num_chunks: int) -> tuple[int, int]:
+    """``(block_j, block)`` of the reduction kernel for ``num_chunks`` partial sums per split."""
+    block_j = min(REDUCE_MAX_BLOCK_J, 1 << max(0, (num_chunks - 1).bit_length()))
+    return block_j, max(64, REDUCE_TILE // block_j)
+
+
+def shipped_reduce_blocks() -> list[tuple[int, int]]:
+    """Every ``(block_j, block)`` :func:`reduce_blocks` can return for more than one chunk."""
+    return sorted({reduce_blocks(c) for c in range(2, 2 * REDUCE_MAX_BLOCK_J + 1)})
+
+
+def shipped_configs(arch: int) -> list[tuple[int, GemmConfig]]:
+    """Every ``(block_n, config)`` :func:`gemm_config` can return on ``sm_<arch>``."""
+    out: list[tuple[int, GemmConfig]] = []
+    for block_n in BLOCK_N_BUCKETS:
+        for m in (*SMALL_BLOCK_M, 1 << 30):
+            item = gemm_config(block_n, m, arch)
+            if item not in out:
+                out.append(item)
+    return out

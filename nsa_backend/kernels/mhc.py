@@ -1,0 +1,339 @@
+"""Triton kernels of the mHC pre-norm GEMM (DeepSeek-V4): ``d = a @ b.T``, ``sqr_sum = sum(a^2)``.
+
+Layouts (all contiguous, row-major):
+
+- ``a``: ``[M, K]`` bf16, ``b``: ``[N, K]`` fp32, ``K % 64 == 0``, ``N % 8 == 0``, ``N <= 128``;
+- ``d``: ``[S, M, N]`` fp32 and ``sqr_sum``: ``[S, M]`` fp32, where split ``s`` holds the partial
+  sums over ``K`` columns ``[s * SPLIT_K, min((s + 1) * SPLIT_K, K))`` with
+  ``SPLIT_K = 64 * ceil(K / 64 / S)`` (the partition of ``nsa_backend.reference.split_bounds``);
+  ``S = 1`` is the 2-D form.
+
+The op reads ``a`` once and ``b`` once per M tile (from L2), so it is memory bound. To fill the
+GPU when ``M`` is small, every split is cut again into ``NUM_CHUNKS`` chunks of ``CHUNK_K`` columns,
+one program per ``(M tile, chunk)``; with more than one chunk the partial sums go to an fp32
+workspace ``[S * NUM_CHUNKS, M * N + M]`` and a second kernel adds them in a fixed order. No
+atomics: results are deterministic for a given shape and GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_backend import envs
+from nsa_backend.configs import mhc as cfgs
+from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
+
+__all__ = ["split_plan", "tf32_hc_prenorm_gemm_triton"]
+
+
+@triton.heuristics({
+    # The CPU interpreter multiplies bf16 tiles as raw integers: it gets exact fp32 products instead.
+    "BF16_DOT_AS_FP32": lambda args: envs.triton_interpret(),
+    "EVEN_K": lambda args: (args["K"] % args["BLOCK_K"] == 0 and args["SPLIT_K"] % args["BLOCK_K"] == 0
+                            and args["CHUNK_K"] % args["BLOCK_K"] == 0),
+})
+@triton.jit
+def _hc_prenorm_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    d_ptr,
+    sq_ptr,
+    M,
+    N,
+    K,
+    SPLIT_K,
+    CHUNK_K,
+    NUM_CHUNKS,
+    stride_dt,
+    stride_st,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BF16_DOT_AS_FP32: tl.constexpr,
+):
+    # a: [M, K] bf16; b: [N, K] fp32; d: slot i_t at d_ptr + i_t * stride_dt, [M, N] fp32;
+    # sq: slot i_t at sq_ptr + i_t * stride_st, [M] fp32.
+    i_m, i_t = tl.program_id(0), tl.program_id(1)
+    i_s = i_t // NUM_CHUNKS
+    i_c = i_t % NUM_CHUNKS
+    k_lo = i_s * SPLIT_K + i_c * CHUNK_K
+    k_hi = tl.minimum(tl.minimum(i_s * SPLIT_K + SPLIT_K, K), k_lo + CHUNK_K)
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+    p_a = a_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
+    p_b = b_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
+
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            b_a = tl.load(p_a + k, mask=m_m[:, None], other=0.0)
+            b_b = tl.load(p_b + k, mask=m_n[:, None], other=0.0)
+        else:
+            m_k = (o_k + k) < k_hi
+            b_a = tl.load(p_a + k, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            b_b = tl.load(p_b + k, mask=m_n[:, None] & m_k[None, :], other=0.0)
+        # [BLOCK_M, BLOCK_K]
+        b_af = b_a.to(tl.float32)
+        b_sq += tl.sum(b_af * b_af, axis=1)
+        if PRECISION == "tf32":
+            # bf16 values are exact in TF32; only b is rounded.
+            b_acc = tl.dot(b_af, tl.trans(b_b), b_acc, input_precision="tf32")
+        else:
+            # b = b_hi + b_mid + b_lo, three bf16 parts: products are exact, sums in fp32.
+            b_hi = b_b.to(tl.bfloat16)
+            b_r = b_b - b_hi.to(tl.float32)
+            b_mid = b_r.to(tl.bfloat16)
+            b_lo = (b_r - b_mid.to(tl.float32)).to(tl.bfloat16)
+            if BF16_DOT_AS_FP32:
+                b_acc = tl.dot(b_af, tl.trans(b_lo.to(tl.float32)), b_acc, input_precision="ieee")
+                b_acc = tl.dot(b_af, tl.trans(b_mid.to(tl.float32)), b_acc, input_precision="ieee")
+                b_acc = tl.dot(b_af, tl.trans(b_hi.to(tl.float32)), b_acc, input_precision="ieee")
+            else:
+                b_acc = tl.dot(b_a, tl.trans(b_lo), b_acc)
+                b_acc = tl.dot(b_a, tl.trans(b_mid), b_acc)
+                b_acc = tl.dot(b_a, tl.trans(b_hi), b_acc)
+
+    p_d = d_ptr + i_t.to(tl.int64) * stride_dt + o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    tl.store(p_d, b_acc, mask=m_m[:, None] & m_n[None, :])
+    p_sq = sq_ptr + i_t.to(tl.int64) * stride_st + o_m
+    tl.store(p_sq, b_sq, mask=m_m)
+
+
+@triton.jit
+def _hc_prenorm_reduce_kernel(
+    ws_ptr,
+    d_ptr,
+    sq_ptr,
+    M,
+    N,
+    NUM_CHUNKS,
+    BLOCK: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
+    # ws: [S * NUM_CHUNKS, L] fp32 with L = M * N + M (partial d, then partial sqr_sum);
+    # d: [S, M, N]; sq: [S, M]. Split i_s adds slots i_s * NUM_CHUNKS + j; BLOCK_J slots are loaded at
+    # once and summed as a fixed tree, so the result does not depend on timing.
+    i_b, i_s = tl.program_id(0), tl.program_id(1)
+    MN = M * N
+    L = MN + M
+    o = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    o_j = tl.arange(0, BLOCK_J)
+    m_o = o < L
+    p_ws = ws_ptr + i_s.to(tl.int64) * NUM_CHUNKS * L + o_j.to(tl.int64)[:, None] * L + o[None, :]
+    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, NUM_CHUNKS, BLOCK_J):
+        # [BLOCK_J, BLOCK]
+        b_ws = tl.load(p_ws + j * L, mask=((o_j + j) < NUM_CHUNKS)[:, None] & m_o[None, :], other=0.0)
+        b_acc += tl.sum(b_ws, axis=0)
+    tl.store(d_ptr + i_s.to(tl.int64) * MN + o, b_acc, mask=o < MN)
+    tl.store(sq_ptr + i_s.to(tl.int64) * M + (o - MN), b_acc, mask=m_o & (o >= MN))
+
+
+@functools.cache
+def _device_info(index: int) -> tuple[int, int]:
+    """(compute capability as major * 10 + minor, number of SMs) of CUDA device ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major * 10 + props.minor, props.multi_processor_count
+
+
+def _arch_and_sms(device: torch.device) -> tuple[int | None, int]:
+    if device.type != "cuda":
+        return None, 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch, sms = _device_info(index)
+    if arch not in SHARED_MEMORY_LIMIT:
+        arch = None
+    return arch, sms
+
+
+def split_plan(
+    m: int,
+    n: int,
+    k: int,
+    num_splits: int,
+    block_m: int,
+    block_k: int,
+    num_sms: int,
+    programs_per_sm: int | None = None,
+    min_chunk_k: int | None = None,
+) -> tuple[int, int, int]:
+    """``(split_k, chunk_k, num_chunks)``: how K is cut across programs.
+
+    ``split_k`` (a multiple of 64) is the width of each of the caller's ``num_splits`` parts, as in
+    ``nsa_backend.reference.split_bounds``. Each part is cut into ``num_chunks`` chunks of
+    ``chunk_k`` columns (a multiple of ``block_k``, at least ``MIN_CHUNK_K`` when cut). The count
+    minimises a bytes-per-slot cost: programs run in waves of ``PROGRAMS_PER_SM * num_sms``, each
+    reading ``block_m * (chunk_k + PROGRAM_OVERHEAD_K)`` bf16 values, plus the fp32 partial sums
+    written and read back when a part is cut.
+    """
+    split_k = 64 * triton.cdiv(k // 64, num_splits)
+    tiles = triton.cdiv(m, block_m) * num_splits
+    slots = (programs_per_sm or cfgs.PROGRAMS_PER_SM) * num_sms
+    most = max(1, split_k // (min_chunk_k or cfgs.MIN_CHUNK_K))
+    best: tuple[float, int, int] | None = None
+    for want in range(1, most + 1):
+        chunk_k = block_k * triton.cdiv(triton.cdiv(split_k, want), block_k)
+        chunks = triton.cdiv(split_k, chunk_k)
+        waves = triton.cdiv(tiles * chunks, slots)
+        cost = waves * (chunk_k + cfgs.PROGRAM_OVERHEAD_K) * block_m * 2
+        if chunks > 1:
+            cost += chunks * num_splits * m * (n + 1) * 8 / slots
+        if best is None or cost < best[0]:
+            best = (cost, chunk_k, chunks)
+    assert best is not None
+    return split_k, best[1], best[2]
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(m: int, n: int, k: int, num_splits: int, device_index: int | None
+          ) -> tuple[int, cfgs.GemmConfig, tuple[int, int, int]]:
+    device = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
+    arch, sms = _arch_and_sms(device)
+    block_n, config = cfgs.gemm_config(n, m, arch)
+    return block_n, config, split_plan(m, n, k, num_splits, config.block_m, config.block_k, sms)
+
+
+def _launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    d: torch.Tensor,
+    sqr_sum: torch.Tensor,
+    num_splits: int,
+    block_n: int,
+    config: cfgs.GemmConfig,
+    plan: tuple[int, int, int],
+    precision: str,
+) -> None:
+    M, K = a.shape
+    N = b.shape[0]
+    split_k, chunk_k, num_chunks = plan
+    slots = num_splits * num_chunks
+    if num_chunks == 1:
+        out_d, out_sq, stride_dt, stride_st = d, sqr_sum, M * N, M
+    else:
+        ws = torch.empty((slots, M * N + M), dtype=torch.float32, device=a.device)
+        out_d, out_sq, stride_dt, stride_st = ws, ws[:, M * N:], M * N + M, M * N + M
+    grid = (triton.cdiv(M, config.block_m), slots)
+    _hc_prenorm_gemm_kernel[grid](
+        a, b, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
+        BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_chunks > 1:
+        block_j, block = cfgs.reduce_blocks(num_chunks)
+        grid = (triton.cdiv(M * N + M, block), num_splits)
+        _hc_prenorm_reduce_kernel[grid](ws, d, sqr_sum, M, N, num_chunks, BLOCK=block, BLOCK_J=block_j,
+                                        num_warps=cfgs.REDUCE_NUM_WARPS)
+
+
+def tf32_hc_prenorm_gemm_triton(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    d: torch.Tensor,
+    sqr_sum: torch.Tensor,
+    num_splits: int | None = None,
+) -> None:
+    """Triton ``d = a @ b.T`` and ``sqr_sum = sum(a^2, -1)``, written in place (validated inputs).
+
+    Parameters
+    ----------
+    a : torch.Tensor
+        ``[M, K]`` bf16, contiguous, ``K % 64 == 0``.
+    b : torch.Tensor
+        ``[N, K]`` fp32, contiguous, ``N % 8 == 0``, ``N <= 128``.
+    d : torch.Tensor
+        ``[M, N]`` fp32, or ``[S, M, N]`` with ``S = num_splits`` (partial sums over K).
+    sqr_sum : torch.Tensor
+        ``[M]`` fp32, or ``[S, M]`` with ``num_splits``.
+    num_splits : int, optional
+        Number of K partitions; split ``s`` covers the same K range as
+        ``nsa_backend.reference.split_bounds(K, S)[s]`` (trailing splits may be empty: zeros).
+
+    Notes
+    -----
+    Precision (``nsa_backend.configs.mhc.DEFAULT_PRECISION``), measured on an H200 against the
+    fp32 reference for M = 2048, N = 24, K = 28672 (error = max |d - ref| / RMS(ref)):
+
+    - ``"bf16x3"`` (default): ``b`` is split into three bf16 parts, each multiplied exactly with
+      the bf16 ``a`` and accumulated in fp32, i.e. better than TF32 and about fp32: error
+      ``1.4e-5``, ``calc_diff`` against an fp64 product ``5e-12``.
+    - ``"tf32"`` (DeepGEMM's choice): ``a`` is exact in TF32, ``b`` is rounded to TF32 (10-bit
+      mantissa): error ``1.8e-3`` (``2.6e-3`` at most over a 240-case fuzz), ``calc_diff`` ``9e-8``.
+      It was 1.6-2x slower than ``"bf16x3"`` on the H200.
+
+    ``sqr_sum`` is an fp32 sum on CUDA cores in every mode (error ``3e-7`` of its RMS).
+
+    Deterministic: K is split across programs without atomics; partial sums are added in a fixed
+    order by a second kernel.
+    """
+    M, K = a.shape
+    N = b.shape[0]
+    if M == 0:
+        return
+    splits = 1 if num_splits is None else num_splits
+    index = None
+    if a.device.type == "cuda":
+        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    block_n, config, plan = _plan(M, N, K, splits, index)
+    _launch(a, b, d, sqr_sum, splits, block_n, config, plan, cfgs.DEFAULT_PRECISION)
+
+
+_GEMM_SIGNATURE: dict[str, str] = {
+    "a_ptr": "*bf16", "b_ptr": "*fp32", "d_ptr": "*fp32", "sq_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+    "SPLIT_K": "i32", "CHUNK_K": "i32", "NUM_CHUNKS": "i32", "stride_dt": "i32", "stride_st": "i32",
+    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
+    "EVEN_K": "constexpr", "BF16_DOT_AS_FP32": "constexpr",
+}
+_REDUCE_SIGNATURE: dict[str, str] = {
+    "ws_ptr": "*fp32", "d_ptr": "*fp32", "sq_ptr": "*fp32", "M": "i32", "N": "i32", "NUM_CHUNKS": "i32",
+    "BLOCK": "constexpr", "BLOCK_J": "constexpr",
+}
+
+
+# Arguments Triton sees as multiples of 16 at run time (aligned pointers; K, SPLIT_K and CHUNK_K are
+# multiples of 64): the ahead-of-time compile uses the same hints, so loads are vectorised and
+# pipelined through shared memory as in the real launch, and the shared-memory figure is the real one.
+_GEMM_DIVISIBLE: tuple[str, ...] = ("a_ptr", "b_ptr", "d_ptr", "sq_ptr", "K", "SPLIT_K", "CHUNK_K")
+_REDUCE_DIVISIBLE: tuple[str, ...] = ("ws_ptr", "d_ptr", "sq_ptr")
+
+
+def _compile(kernel: Any, signature: dict[str, str], divisible: tuple[str, ...], constexprs: dict[str, Any],
+             arch: int, num_warps: int, num_stages: int) -> Any:
+    from nsa_backend.kernels.aot import compile_for_arch
+
+    return compile_for_arch(kernel, signature, constexprs, arch, num_warps, num_stages, aligned=divisible)
+
+
+def compile_shipped(arch: int) -> list[Any]:
+    """Compile both kernels with every configuration shipped for ``sm_<arch>`` (ahead of time).
+
+    The shipped precision is compiled with every configuration; the other precisions with the
+    widest N tile (the most shared memory). Returns one
+    :class:`nsa_backend.kernels.aot.CompiledKernel` per compilation; needs ``TRITON_INTERPRET``
+    unset.
+    """
+    out = []
+    for precision in cfgs.PRECISIONS:
+        for block_n, cfg in cfgs.shipped_configs(arch):
+            if precision != cfgs.DEFAULT_PRECISION and block_n != cfgs.BLOCK_N_BUCKETS[-1]:
+                continue
+            constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": block_n, "BLOCK_K": cfg.block_k,
+                          "PRECISION": precision, "EVEN_K": cfg.block_k == 64, "BF16_DOT_AS_FP32": False}
+            out.append(_compile(_hc_prenorm_gemm_kernel.fn, _GEMM_SIGNATURE, _GEMM_DIVISIBLE, constexprs, arch,
+                                cfg.num_warps, cfg.num_stages))
+    for block_j, block in cfgs.shipped_reduce_blocks():
+        out.append(_compile(_hc_prenorm_reduce_kernel, _REDUCE_SIGNATURE, _REDUCE_DIVISIBLE,
+                            {"BLOCK": block, "BLOCK_J": block_j}, arch, cfgs.REDUCE_NUM_WARPS, 3))
+    return out

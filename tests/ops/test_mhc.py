@@ -1,0 +1,224 @@
+"""Tests of the mHC pre-norm GEMM ``tf32_hc_prenorm_gemm`` against ``nsa_backend.reference``.
+
+CPU: the Triton kernels run in the interpreter on small shapes (every code path: 2-D and split
+outputs, empty trailing splits, K chunked across programs, masked K tails, both precisions).
+AOT: every shipped configuration compiles for every target architecture within its shared-memory
+budget. GPU (``gpu`` mark): a fuzz over DeepSeek-V4 sized shapes against the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nsa_backend import reference
+from nsa_backend.configs import mhc as cfgs
+from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, TARGET_ARCHS
+from nsa_backend.mhc import tf32_hc_prenorm_gemm
+from tests.conftest import HAS_GPU, has_triton
+
+pytestmark = pytest.mark.skipif(not has_triton(), reason="needs triton")
+
+DEVICE = "cuda" if HAS_GPU else "cpu"
+# Error bounds, relative to the RMS of the reference output: TF32 rounds b to a 10-bit mantissa.
+TOL = {"tf32": 8e-3, "bf16x3": 2e-5}
+
+
+def _inputs(m: int, n: int, k: int, splits: int | None, device: str = DEVICE):
+    a = torch.randn(m, k, device=device).to(torch.bfloat16)
+    b = torch.randn(n, k, device=device)
+    lead = () if splits is None else (splits,)
+    d = torch.full((*lead, m, n), float("nan"), device=device)
+    sq = torch.full((*lead, m), float("nan"), device=device)
+    return a, b, d, sq
+
+
+def _reference(a, b, d, sq, splits):
+    d_ref, sq_ref = torch.empty_like(d), torch.empty_like(sq)
+    reference.tf32_hc_prenorm_gemm(a, b, d_ref, sq_ref, splits)
+    return d_ref, sq_ref
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = ref.float().pow(2).mean().sqrt().clamp_min(1e-30)
+    return ((x.float() - ref.float()).abs().max() / scale).item()
+
+
+def _check(a, b, d, sq, splits, precision, case):
+    d_ref, sq_ref = _reference(a, b, d, sq, splits)
+    assert not d.isnan().any() and not sq.isnan().any(), f"unwritten outputs: {case}"
+    err_d, err_sq = _rel_err(d, d_ref), _rel_err(sq, sq_ref)
+    assert err_d < TOL[precision], f"d: {err_d=:.2e} {case}"
+    assert err_sq < 1e-5, f"sqr_sum: {err_sq=:.2e} {case}"
+    return err_d, err_sq
+
+
+def _launch(a, b, d, sq, splits, config, plan, precision):
+    from nsa_backend.kernels import mhc as kern
+
+    s = 1 if splits is None else splits
+    m, n = a.shape[0], b.shape[0]
+    kern._launch(a, b, d.view(s, m, n), sq.view(s, m), s, cfgs.block_n_for(n), config, plan, precision)
+
+
+# (M, N, K, num_splits): odd M, every N bucket, an empty trailing split (K=320, S=4: 2+2+1+0 blocks).
+PUBLIC_CASES = [
+    pytest.param(1, 24, 128, None, id="M1-N24-K128"),  # decode, DeepSeek-V4 N
+    pytest.param(37, 8, 256, None, id="M37-N8-K256"),
+    pytest.param(70, 40, 192, 1, id="M70-N40-K192-S1"),
+    pytest.param(19, 128, 128, None, id="M19-N128-K128"),
+    pytest.param(23, 24, 320, 4, id="M23-N24-K320-S4"),
+    pytest.param(130, 32, 448, 7, id="M130-N32-K448-S7"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,splits", PUBLIC_CASES)
+def test_public_op_matches_reference(m, n, k, splits):
+    a, b, d, sq = _inputs(m, n, k, splits)
+    tf32_hc_prenorm_gemm(a, b, d, sq, splits, impl="triton")
+    _check(a, b, d, sq, splits, cfgs.DEFAULT_PRECISION, (m, n, k, splits))
+
+
+# (M, N, K, num_splits, config, (split_k, chunk_k, num_chunks), precision): K cut into chunks (workspace
+# and reduction kernel), BLOCK_K = 128 with masked K tails, the bf16x3 path.
+KERNEL_CASES = [
+    pytest.param(33, 24, 512, None, cfgs.GemmConfig(16, 64, 4, 2), (512, 128, 4), "tf32", id="chunks4"),
+    pytest.param(40, 16, 576, 3, cfgs.GemmConfig(32, 128, 4, 2), (192, 128, 2), "tf32", id="S3-chunks2-K128tail"),
+    pytest.param(17, 24, 320, 2, cfgs.GemmConfig(16, 128, 4, 2), (192, 128, 2), "bf16x3", id="bf16x3-S2-tail"),
+    pytest.param(50, 64, 256, None, cfgs.GemmConfig(64, 64, 4, 2), (256, 256, 1), "bf16x3", id="bf16x3-N64"),
+    pytest.param(3, 8, 4480, None, cfgs.GemmConfig(16, 64, 4, 2), (4480, 64, 70), "tf32", id="chunks70"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,splits,config,plan,precision", KERNEL_CASES)
+def test_kernel_paths(m, n, k, splits, config, plan, precision):
+    a, b, d, sq = _inputs(m, n, k, splits)
+    _launch(a, b, d, sq, splits, config, plan, precision)
+    _check(a, b, d, sq, splits, precision, (m, n, k, splits, config, plan, precision))
+
+
+def test_splits_match_reference_partition():
+    """Split s holds exactly the K range split_bounds(K, S)[s] (compared split by split)."""
+    m, n, k, splits = 9, 8, 640, 4
+    a, b, d, sq = _inputs(m, n, k, splits)
+    _launch(a, b, d, sq, splits, cfgs.GemmConfig(16, 64, 4, 2), (192, 64, 3), "tf32")
+    for s, (k0, k1) in enumerate(reference.split_bounds(k, splits)):
+        d_s = a[:, k0:k1].float() @ b[:, k0:k1].T
+        assert torch.allclose(d[s], d_s, rtol=1e-4, atol=1e-3), f"split {s}"
+        assert torch.allclose(sq[s], a[:, k0:k1].float().pow(2).sum(-1), rtol=1e-5, atol=1e-4)
+
+
+def test_deterministic():
+    a, b, d, sq = _inputs(29, 24, 384, None)
+    plan = (384, 128, 3)
+    _launch(a, b, d, sq, None, cfgs.GemmConfig(16, 64, 4, 2), plan, "tf32")
+    d2, sq2 = torch.empty_like(d), torch.empty_like(sq)
+    _launch(a, b, d2, sq2, None, cfgs.GemmConfig(16, 64, 4, 2), plan, "tf32")
+    assert torch.equal(d, d2) and torch.equal(sq, sq2)
+
+
+@pytest.mark.parametrize("m,k,splits,sms", [(1, 28672, 1, 132), (1024, 28672, 1, 132), (8192, 7168, 16, 132),
+                                            (16384, 28672, 1, 170), (3, 64, 1, 8), (5, 320, 4, 8)])
+def test_split_plan_covers_each_split(m, k, splits, sms):
+    from nsa_backend.kernels.mhc import split_plan
+
+    split_k, chunk_k, chunks = split_plan(m, 24, k, splits, 128, 64, sms)
+    bounds = reference.split_bounds(k, splits)
+    assert split_k % 64 == 0 and chunk_k % 64 == 0
+    for s, (k0, k1) in enumerate(bounds):
+        assert k0 == min(s * split_k, k) and k1 == min((s + 1) * split_k, k)
+    assert chunks * chunk_k >= split_k > (chunks - 1) * chunk_k
+    assert chunks == 1 or chunk_k >= min(cfgs.MIN_CHUNK_K, split_k)
+
+
+@pytest.mark.parametrize("arch", TARGET_ARCHS)
+def test_config_choice_fits_estimate(arch):
+    for n in range(8, 129, 8):
+        for m in (1, 16, 17, 64, 65, 16384):
+            block_n, cfg = cfgs.gemm_config(n, m, arch)
+            assert block_n >= n and cfg.block_m >= min(m, 16)
+            assert cfg.shared_bytes_estimate(block_n) <= SHARED_MEMORY_LIMIT[arch]
+
+
+_AOT_SCRIPT = """
+import json, sys
+from concurrent.futures import ProcessPoolExecutor
+def one(arch):
+    from nsa_backend.kernels import mhc
+    return [(c.name, c.arch, c.shared_bytes, c.num_warps, c.num_stages)
+            for c in mhc.compile_shipped(arch)]
+with ProcessPoolExecutor(2) as ex:
+    print(json.dumps([r for rs in ex.map(one, json.loads(sys.argv[1])) for r in rs]))
+"""
+
+
+def test_aot_compile_all_archs():
+    """Every shipped configuration compiles for sm_80..sm_121 within the shared-memory limit."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, json.dumps(list(TARGET_ARCHS))],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r[1] for r in rows} == set(TARGET_ARCHS)
+    too_big = [r for r in rows if r[2] > SHARED_MEMORY_LIMIT[r[1]]]
+    assert not too_big, f"over the shared-memory limit: {too_big}"
+
+
+# GPU fuzz: M in 1..8192, N in {8, 24, 32, 128}, K in {7168, 28672}, splits None/1/4/16.
+FUZZ_CASES = 240
+
+
+def _fuzz_shapes(count: int, seed: int = 1234):
+    rng = random.Random(seed)
+    shapes = []
+    for i in range(count):
+        m = round(2 ** rng.uniform(0, 13)) if i % 8 else rng.choice([1, 2, 7, 64, 1024, 4096, 8192])
+        shapes.append((max(1, min(m, 8192)), rng.choice([8, 24, 32, 128]), rng.choice([7168, 28672]),
+                       rng.choice([None, 1, 4, 16])))
+    return shapes
+
+
+@pytest.mark.gpu
+def test_gpu_fuzz():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    errs = []
+    for m, n, k, splits in _fuzz_shapes(FUZZ_CASES):
+        a, b, d, sq = _inputs(m, n, k, splits, "cuda")
+        tf32_hc_prenorm_gemm(a, b, d, sq, splits, impl="triton")
+        errs.append(_check(a, b, d, sq, splits, cfgs.DEFAULT_PRECISION, (m, n, k, splits)))
+    worst_d, worst_sq = max(e[0] for e in errs), max(e[1] for e in errs)
+    print(f"mhc fuzz: {len(errs)} cases, max error d {worst_d:.2e}, sqr_sum {worst_sq:.2e} (of the output RMS)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", cfgs.PRECISIONS)
+def test_gpu_precision_error(precision):
+    """Error of each precision on the DeepSeek-V4 shape (printed for the docs)."""
+    from nsa_backend.kernels import mhc as kern
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m, n, k = 2048, 24, 28672
+    a, b, d, sq = _inputs(m, n, k, None, "cuda")
+    arch, sms = kern._arch_and_sms(a.device)
+    _, cfg = cfgs.gemm_config(n, m, arch)
+    plan = kern.split_plan(m, n, k, 1, cfg.block_m, cfg.block_k, sms)
+    _launch(a, b, d, sq, None, cfg, plan, precision)
+    err_d, _ = _check(a, b, d, sq, None, precision, precision)
+    d64 = a.double() @ b.double().T
+    diff = 1 - 2 * (d.double() * d64).sum() / (d.double().pow(2) + d64.pow(2)).sum()
+    print(f"mhc {precision}: max error {err_d:.2e} of the output RMS, calc_diff vs fp64 {diff.item():.2e}")
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic():
+    a, b, d, sq = _inputs(1024, 24, 28672, None, "cuda")
+    tf32_hc_prenorm_gemm(a, b, d, sq, impl="triton")
+    d2, sq2 = torch.empty_like(d), torch.empty_like(sq)
+    tf32_hc_prenorm_gemm(a, b, d2, sq2, impl="triton")
+    assert torch.equal(d, d2) and torch.equal(sq, sq2)
