@@ -25,13 +25,12 @@ unless the query tile would not fit the architecture's shared memory).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from nsa_backend.configs import indexer as cfgs
+from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.reference import PAGED_SCHEDULE_SPLIT_KV
 
 __all__ = [
@@ -282,28 +281,8 @@ def _indexer_paged_schedule_kernel(
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-@functools.cache
-def _device_arch(index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(index)
-    return major * 10 + minor
-
-
-@functools.cache
-def _device_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_arch(device: torch.device) -> int | None:
-    """``major * 10 + minor`` of a CUDA device; ``None`` on CPU (Triton interpreter)."""
-    if device.type != "cuda":
-        return None
-    return _device_arch(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return device_sms(device) if device.type == "cuda" else 4
 
 
 def _fp8_operand(x: torch.Tensor, native: bool) -> torch.Tensor:

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from nsa_backend import envs
 from nsa_backend.configs import mhc as cfgs
+from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
 
 __all__ = ["split_plan", "tf32_hc_prenorm_gemm_triton"]
@@ -141,18 +142,10 @@ def _hc_prenorm_reduce_kernel(
     tl.store(sq_ptr + i_s.to(tl.int64) * M + (o - MN), b_acc, mask=m_o & (o >= MN))
 
 
-@functools.cache
-def _device_info(index: int) -> tuple[int, int]:
-    """(compute capability as major * 10 + minor, number of SMs) of CUDA device ``index``."""
-    props = torch.cuda.get_device_properties(index)
-    return props.major * 10 + props.minor, props.multi_processor_count
-
-
 def _arch_and_sms(device: torch.device) -> tuple[int | None, int]:
     if device.type != "cuda":
         return None, 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    arch, sms = _device_info(index)
+    arch, sms = device_arch(device), device_sms(device)
     if arch not in SHARED_MEMORY_LIMIT:
         arch = None
     return arch, sms
