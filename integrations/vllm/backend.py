@@ -9,11 +9,13 @@ Three classes in vLLM's backend shape:
   :class:`FlashInferSM120TakeoverBackend` are the same backend under vLLM's names for the
   ``takeover`` setting.
 - :class:`NsaSparseMLAMetadataBuilder` turns vLLM's ``CommonAttentionMetadata`` into
-  :class:`~nsa_backend_integrations.vllm.metadata.NsaSparseMLAMetadata` once per batch.
-- :class:`NsaSparseMLAImpl` runs the attention of one layer over the indexer's top-k positions:
-  decode tokens with :func:`nsa_backend.sparse_mla_decode` straight from the paged cache, prefill
-  tokens with :func:`nsa_backend.flash_mla_sparse_fwd` over bf16 rows (the fp8_ds_mla rows a
-  prefill selects are dequantised first). Both ops route by GPU (``impl="auto"``).
+  :class:`~nsa_backend_integrations.vllm.metadata.NsaSparseMLAMetadata` once per batch; its
+  ``core`` field is the batch as :class:`nsa_backend.metadata.SparseAttnMetadata`.
+- :class:`NsaSparseMLAImpl` runs the attention of one layer over the indexer's top-k positions
+  with :func:`nsa_backend.dsa.dsa_sparse_attention` on ``core``: decode tokens with
+  :func:`nsa_backend.sparse_mla_decode` straight from the paged cache, prefill tokens with
+  :func:`nsa_backend.flash_mla_sparse_fwd` over bf16 rows (the fp8_ds_mla rows a prefill selects
+  are dequantised first). Both ops route by GPU (``impl="auto"``).
 
 KV-cache layouts (one latent head per token, ``page`` = 64 tokens per block):
 
@@ -30,12 +32,6 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
-from nsa_backend_integrations.vllm.config import announce_model
-from nsa_backend_integrations.vllm.metadata import (
-    NsaSparseMLAMetadata,
-    request_ids_per_token,
-    split_decodes_and_prefills,
-)
 from vllm.config.cache import CacheDType
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import (
@@ -49,6 +45,15 @@ from vllm.v1.attention.backend import (
 )
 
 import nsa_backend
+from nsa_backend.dsa import TopkSelection, cache_rows, dsa_sparse_attention
+from nsa_backend.metadata import (
+    SparseAttnMetadata,
+    build_decode_batch,
+    build_prefill_batch,
+    token_request_ids,
+)
+from nsa_backend_integrations.vllm.config import announce_model
+from nsa_backend_integrations.vllm.metadata import NsaSparseMLAMetadata, split_decodes_and_prefills
 
 # Latent (value) width of every DSA model served here; also the d_v of the attention ops.
 KV_LORA_RANK = 512
@@ -215,7 +220,8 @@ class NsaSparseMLAMetadataBuilder(AttentionMetadataBuilder[NsaSparseMLAMetadata]
     """Builds :class:`NsaSparseMLAMetadata` from vLLM's ``CommonAttentionMetadata``.
 
     Decode-only batches of equal query length (1, or 1 + speculative tokens) replay CUDA graphs:
-    the per-token request ids live in a persistent buffer and the impl needs no host sync for them.
+    the tensors the impl reads (per-token request ids, the decode rows' visible key counts) live in
+    persistent buffers or are vLLM's own persistent tensors, and are computed without a host sync.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
@@ -229,8 +235,8 @@ class NsaSparseMLAMetadataBuilder(AttentionMetadataBuilder[NsaSparseMLAMetadata]
         self.topk_tokens = int(getattr(hf_config, "index_topk", None) or DEFAULT_INDEX_TOPK)
         self.block_size = int(kv_cache_spec.block_size)
         max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        self._token_ids = torch.arange(max_tokens, dtype=torch.int32, device=device)
         self._req_id_per_token = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self._decode_context_lens = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         init_threshold = getattr(self, "_init_reorder_batch_threshold", None)
         if init_threshold is not None:
             # Decodes (and speculative verification rows) first, prefills after.
@@ -246,31 +252,51 @@ class NsaSparseMLAMetadataBuilder(AttentionMetadataBuilder[NsaSparseMLAMetadata]
     ) -> NsaSparseMLAMetadata:
         cm = common_attn_metadata
         num_tokens = int(cm.num_actual_tokens)
-        if num_tokens > self._token_ids.numel():
-            raise ValueError(
-                f"batch of {num_tokens} tokens exceeds max_num_batched_tokens={self._token_ids.numel()}"
-            )
+        max_tokens = self._req_id_per_token.numel()
+        if num_tokens > max_tokens:
+            raise ValueError(f"batch of {num_tokens} tokens exceeds max_num_batched_tokens={max_tokens}")
         threshold = self.reorder_batch_threshold or 1
         qsl_cpu = cm.query_start_loc_cpu
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
             qsl_cpu, num_tokens, threshold
         )
-
-        req_id_per_token = self._req_id_per_token[:num_tokens]
-        req_id_per_token.copy_(request_ids_per_token(cm.query_start_loc, self._token_ids[:num_tokens]))
+        req_id_per_token = token_request_ids(cm.query_start_loc, num_tokens, out=self._req_id_per_token)
+        core = SparseAttnMetadata(
+            page_size=self.block_size, num_tokens=num_tokens, slot_mapping=cm.slot_mapping[:num_tokens].long()
+        )
 
         decode_max_query_len = 0
         if num_decodes:
             decode_max_query_len = int((qsl_cpu[1 : num_decodes + 1] - qsl_cpu[:num_decodes]).max())
+            # One row per token: under speculative decoding the per-request split is decided on the device.
+            core.decode = build_decode_batch(
+                cm.query_start_loc,
+                cm.seq_lens,
+                cm.block_table_tensor,
+                req_id_per_token[:num_decode_tokens],
+                max_context_len=int(cm.max_seq_len),
+                context_lens=self._decode_context_lens,
+            )
         prefill_max_seq_len = 0
         if num_prefills:
+            # Exact for prefill rows (vLLM's upper bound is optimistic only for speculative decodes).
             seq_lens_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
             if seq_lens_cpu is None:
                 seq_lens_cpu = getattr(cm, "seq_lens_cpu", None)
-            if seq_lens_cpu is not None:
-                prefill_max_seq_len = int(seq_lens_cpu[num_decodes : num_decodes + num_prefills].max())
-            else:
-                prefill_max_seq_len = int(cm.max_seq_len)
+            if seq_lens_cpu is None:
+                seq_lens_cpu = cm.seq_lens.cpu()
+            prefill_lens = seq_lens_cpu[num_decodes : num_decodes + num_prefills]
+            prefill_max_seq_len = int(prefill_lens.max())
+            core.prefill = build_prefill_batch(
+                cm.query_start_loc,
+                cm.seq_lens[: num_decodes + num_prefills],
+                cm.block_table_tensor,
+                req_id_per_token[num_decode_tokens:],
+                self.block_size,
+                first_req=num_decodes,
+                token_start=num_decode_tokens,
+                num_keys=int(prefill_lens.sum()),
+            )
 
         return NsaSparseMLAMetadata(
             num_reqs=int(cm.num_reqs),
@@ -290,6 +316,7 @@ class NsaSparseMLAMetadataBuilder(AttentionMetadataBuilder[NsaSparseMLAMetadata]
             num_prefill_tokens=num_prefill_tokens,
             decode_max_query_len=decode_max_query_len,
             prefill_max_seq_len=prefill_max_seq_len,
+            core=core,
         )
 
 
@@ -310,22 +337,6 @@ def _fp8_ds_mla_scale_format() -> str:
     hf_config = _model_hf_config()
     model_type = str(getattr(hf_config, "model_type", "") or "")
     return "arbitrary" if model_type.startswith("glm") else "pow2"
-
-
-def flat_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``[num_rows, width]`` view of a ``[num_blocks, page, width]`` cache and the rows per block stride.
-
-    Row of token ``(block, offset)``: ``block * stride_rows + offset``. The rows between blocks
-    (other layers' pages when blocks are spaced) are never addressed.
-    """
-    num_blocks, page, width = kv_cache.shape
-    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) % width:
-        raise ValueError(
-            f"kv cache: expected contiguous rows of {width} elements, got strides {tuple(kv_cache.stride())}"
-        )
-    stride_rows = kv_cache.stride(0) // width
-    num_rows = max(num_blocks - 1, 0) * stride_rows + page
-    return kv_cache.as_strided((num_rows, width), (width, 1)), stride_rows
 
 
 class NsaSparseMLAImpl(MLAAttentionImpl[NsaSparseMLAMetadata]):
@@ -457,36 +468,12 @@ def write_kv_rows(
     if kv_format == "fp8_ds_mla":
         nsa_backend.write_fp8_ds_mla_cache(rows, kv_cache, slot_mapping, scale_format)
         return
-    table, stride_rows = flat_rows(kv_cache)
+    table, stride_rows = cache_rows(kv_cache)
     page = kv_cache.shape[1]
     slots = slot_mapping.long()
     keep = slots >= 0
     slots = slots[keep]
     table[(slots // page) * stride_rows + slots % page] = rows[keep].to(table.dtype)
-
-
-def _dequantised_rows(
-    kv_cache: torch.Tensor, kv_format: str, slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 keys for the valid entries of ``slots`` ``[R, K]`` (global slots, ``-1``: none).
-
-    Returns ``(kv [U, 1, d_qk] bf16, indices [R, K] int32 into kv, -1 kept)``. A bf16 cache is used
-    in place (indices become flat row numbers); fp8_ds_mla rows are dequantised once per distinct slot.
-    """
-    table, stride_rows = flat_rows(kv_cache)
-    page = kv_cache.shape[1]
-    valid = slots >= 0
-    s = slots.long().clamp(min=0)
-    rows = torch.where(valid, (s // page) * stride_rows + s % page, -1)
-    if kv_format == "bf16":
-        return table.unsqueeze(1), rows.to(torch.int32)
-    unique_rows, inverse = torch.unique(rows[valid], return_inverse=True)
-    if unique_rows.numel() == 0:  # no row selected at all: one unused row keeps the shapes valid
-        unique_rows = torch.zeros(1, dtype=unique_rows.dtype, device=unique_rows.device)
-    kv = nsa_backend.unpack_fp8_ds_mla(table[unique_rows].contiguous())
-    local = torch.full_like(rows, -1)
-    local[valid] = inverse
-    return kv.unsqueeze(1), local.to(torch.int32)
 
 
 def forward_sparse_mla(
@@ -498,7 +485,7 @@ def forward_sparse_mla(
     d_v: int,
     kv_format: str,
 ) -> torch.Tensor:
-    """Sparse MLA of a batch over the paged cache.
+    """Sparse MLA of a batch over the paged cache, on the batch's core metadata (``md.core``).
 
     Parameters
     ----------
@@ -509,7 +496,7 @@ def forward_sparse_mla(
     positions : torch.Tensor
         ``[T, topk]`` int32 positions inside each token's request (``-1``: none), from the indexer.
     md : NsaSparseMLAMetadata
-        Batch metadata; tokens ``< md.num_decode_tokens`` are decodes.
+        Batch metadata; ``md.core.decode`` / ``md.core.prefill`` split the tokens.
 
     Returns
     -------
@@ -517,27 +504,13 @@ def forward_sparse_mla(
         ``[T, H, d_v]`` bf16.
     """
     num_tokens = q.shape[0]
-    page = kv_cache.shape[1]
+    core = md.core
+    # The indexer's per-request positions become cache slots; prefill rows read them in place.
     slots = nsa_backend.logical_to_global_indices(
-        positions.contiguous(), md.block_table, md.req_id_per_token[:num_tokens], page
+        positions.contiguous(), md.block_table, md.req_id_per_token[:num_tokens], core.page_size
     )
-    out = q.new_empty((num_tokens, q.shape[1], d_v))
-    num_decode = min(md.num_decode_tokens, num_tokens)
-    if num_decode:
-        cache = kv_cache if kv_format == "fp8_ds_mla" else kv_cache.unsqueeze(2)
-        decode_out, _ = nsa_backend.sparse_mla_decode(
-            q[:num_decode].unsqueeze(1),
-            cache,
-            slots[:num_decode].unsqueeze(1),
-            sm_scale,
-            d_v=d_v,
-            kv_format=kv_format,
-        )
-        out[:num_decode] = decode_out.squeeze(1)
-    if num_decode < num_tokens:
-        kv, indices = _dequantised_rows(kv_cache, kv_format, slots[num_decode:])
-        prefill_out, _, _ = nsa_backend.flash_mla_sparse_fwd(
-            q[num_decode:].contiguous(), kv, indices.unsqueeze(1), sm_scale, d_v=d_v
-        )
-        out[num_decode:] = prefill_out
-    return out
+    cache = kv_cache if kv_format == "fp8_ds_mla" else kv_cache.unsqueeze(2)
+    return dsa_sparse_attention(
+        core, q, cache, TopkSelection(global_slots=slots, prefill_keys=None), sm_scale, kv_format=kv_format,
+        d_v=d_v,
+    )

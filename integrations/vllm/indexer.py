@@ -24,13 +24,13 @@ import sys
 from typing import Any
 
 import torch
-from nsa_backend_integrations.vllm.config import announce_model, deep_gemm_has_kernels
-from nsa_backend_integrations.vllm.indexer_ops import run_indexer
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 from vllm.utils.torch_utils import direct_register_custom_op
 
 import nsa_backend
+from nsa_backend_integrations.vllm.config import announce_model, deep_gemm_has_kernels
+from nsa_backend_integrations.vllm.indexer_ops import run_indexer
 
 logger = logging.getLogger("nsa_backend.vllm")
 

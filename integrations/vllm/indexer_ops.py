@@ -8,6 +8,11 @@ first (token-major), then its ``page`` fp32 scales. Each token is quantised with
 The indexer writes, for every token, the per-request positions of its ``index_topk`` highest
 scoring keys into vLLM's shared ``topk_indices_buffer`` ``[max_tokens, >= index_topk]`` int32
 (``-1``: fewer keys than ``index_topk``). The attention backend turns them into cache slots.
+
+vLLM's indexer metadata (``DeepseekV32IndexerMetadata``) is adapted to nsa-backend's
+:class:`~nsa_backend.metadata.DecodeBatch` (its decode part) and one
+:class:`~nsa_backend.metadata.PrefillBatch` per prefill chunk; the scores and top-k are
+:func:`nsa_backend.dsa.decode_topk_positions` and :func:`nsa_backend.dsa.prefill_topk_positions`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Any
 
 import torch
 
-import nsa_backend
+from nsa_backend.dsa import decode_topk_positions, gather_indexer_keys, prefill_topk_positions
+from nsa_backend.metadata import DecodeBatch, PrefillBatch, request_key_slots
 
 FP8_MAX = 448.0
 SCALE_EPS = 1e-4
@@ -61,36 +67,27 @@ def insert_indexer_k(
     pages[block[:, None], page * head_dim + offset[:, None] * 4 + scale_cols[None, :]] = scale_bytes
 
 
-def gather_indexer_k(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor, total: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys of whole requests, concatenated: request ``r`` fills rows ``[cu_seq_lens[r], cu_seq_lens[r+1])``.
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
-    Parameters
-    ----------
-    block_table : torch.Tensor
-        ``[R, M]`` int32 blocks of the ``R`` requests.
-    cu_seq_lens : torch.Tensor
-        ``[R + 1]`` int32 prefix sums of the requests' key counts; ``total = cu_seq_lens[-1]``.
 
-    Returns
-    -------
-    tuple
-        ``(k [total, D] float8_e4m3fn, k_scale [total] float32)``.
+def chunk_prefill_batch(chunk: Any, page_size: int) -> PrefillBatch:
+    """:class:`PrefillBatch` of a ``DeepseekV32IndexerPrefillChunkMetadata``.
+
+    The chunk's key buffer holds the whole keys of its requests (``cu_seq_lens``, or
+    ``local_cu_seq_lens`` where set); ``cu_seqlen_ks`` / ``cu_seqlen_ke`` are each token's window in it.
     """
-    page = kv_cache.shape[1]
-    device = kv_cache.device
-    rows = torch.arange(total, device=device, dtype=cu_seq_lens.dtype)
-    req = torch.searchsorted(cu_seq_lens[1:].contiguous(), rows, right=True)
-    pos = (rows - cu_seq_lens[req]).long()
-    block = block_table[req, pos // page].long()
-    offset = pos % page
-    pages = _pages(kv_cache)
-    cols = torch.arange(head_dim, device=device)
-    values = pages[block[:, None], offset[:, None] * head_dim + cols[None, :]]
-    scale_cols = torch.arange(4, device=device)
-    scales = pages[block[:, None], page * head_dim + offset[:, None] * 4 + scale_cols[None, :]]
-    return values.view(torch.float8_e4m3fn), scales.contiguous().view(torch.float32).view(-1)
+    cu_seq_lens = (
+        chunk.local_cu_seq_lens if getattr(chunk, "local_cu_seq_lens", None) is not None else chunk.cu_seq_lens
+    )
+    total = int(getattr(chunk, "local_total_seq_lens", 0) or chunk.total_seq_lens)
+    return PrefillBatch(
+        token_start=int(chunk.token_start),
+        num_tokens=max(int(chunk.token_end) - int(chunk.token_start), 0),
+        key_slots=request_key_slots(chunk.block_table, cu_seq_lens, page_size, total),
+        cu_seq_len_k_start=chunk.cu_seqlen_ks,
+        cu_seq_len_k_end=chunk.cu_seqlen_ke,
+    )
 
 
 def prefill_topk(
@@ -108,35 +105,73 @@ def prefill_topk(
     (a chunk with ``skip_kv_gather`` reuses the previous chunk's keys). Row ``i`` scores keys
     ``[ks[i], ke[i])`` of the gathered keys, i.e. positions ``0 .. ke[i]-ks[i]-1`` of its request.
     """
+    page = kv_cache.shape[1]
     keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    w = weights.float()
     for chunk in chunks:
-        cu_seq_lens = (
-            chunk.local_cu_seq_lens
-            if getattr(chunk, "local_cu_seq_lens", None) is not None
-            else chunk.cu_seq_lens
-        )
-        total = int(getattr(chunk, "local_total_seq_lens", 0) or chunk.total_seq_lens)
+        pre = chunk_prefill_batch(chunk, page)
         if not (getattr(chunk, "skip_kv_gather", False) and keys is not None):
-            keys = (
-                gather_indexer_k(kv_cache, chunk.block_table, cu_seq_lens, total, head_dim) if total else None
-            )
-        rows = slice(chunk.token_start, chunk.token_end)
-        out = topk_indices_buffer[rows, :topk_tokens]
-        if keys is None or chunk.token_end <= chunk.token_start:
+            keys = gather_indexer_keys(kv_cache, pre.key_slots, head_dim) if pre.key_slots.numel() else None
+        out = topk_indices_buffer[pre.token_start : pre.token_start + pre.num_tokens, :topk_tokens]
+        if keys is None or pre.num_tokens == 0:
             out.fill_(-1)
             continue
-        ks, ke = chunk.cu_seqlen_ks, chunk.cu_seqlen_ke
         width = max(int(chunk.max_seqlen_k), 1)
-        logits = nsa_backend.fp8_mqa_logits(
-            q_fp8[rows].contiguous(),
-            keys,
-            weights[rows].float().contiguous(),
-            ks,
-            ke,
-            clean_logits=False,
-            max_seqlen_k=width,
+        out.copy_(prefill_topk_positions(pre, q_fp8, w, kv_cache, topk_tokens, keys=keys, max_seqlen_k=width))
+
+
+def decode_batch(decode: Any, num_decode_tokens: int, max_model_len: int) -> DecodeBatch:
+    """:class:`DecodeBatch` of a ``DeepSeekV32IndexerDecodeMetadata`` (no host sync).
+
+    ``decode.block_table`` has one row per decode request (or per token, when vLLM flattened them)
+    and ``decode.seq_lens`` is ``[B, next_n]`` (visible keys of each query row) or ``[B]`` /
+    ``[B, 1]`` (context length ``L``: row ``j`` sees positions ``<= L - next_n + j``). A batch whose
+    requests have different query lengths (``requires_padding``) becomes one row per token; a
+    request's tokens are its last query rows.
+    """
+    batch = decode.decode_lens.shape[0]
+    device = decode.block_table.device
+    seq_lens = decode.seq_lens[:batch].to(torch.int32)
+    if seq_lens.dim() == 2 and seq_lens.shape[1] == 1:
+        seq_lens = seq_lens[:, 0]
+    padded = bool(decode.requires_padding) or num_decode_tokens % batch != 0
+    if not padded:
+        next_n = num_decode_tokens // batch
+        req_ids = torch.arange(batch, device=device, dtype=torch.int32).repeat_interleave(next_n)
+        if seq_lens.dim() == 2:
+            if seq_lens.shape[1] != next_n:
+                raise ValueError(
+                    f"decode seq_lens {tuple(seq_lens.shape)} does not match {next_n} query rows per request"
+                )
+            context_lens = seq_lens.contiguous()
+        else:
+            j = torch.arange(next_n, device=device, dtype=torch.int32)
+            context_lens = (seq_lens[:, None] - next_n + j[None, :] + 1).clamp(min=0)
+        schedule = getattr(decode, "schedule_metadata", None)
+        if schedule is None or schedule.dim() != 2 or schedule.shape[-1] != 2:
+            schedule = None
+    else:
+        decode_lens = decode.decode_lens.to(device=device, dtype=torch.int64)
+        req = torch.repeat_interleave(
+            torch.arange(batch, device=device), decode_lens, output_size=num_decode_tokens
         )
-        out.copy_(nsa_backend.topk_indices(logits, topk_tokens, ends=(ke - ks).to(torch.int32)))
+        starts = torch.cumsum(decode_lens, 0) - decode_lens
+        local = torch.arange(num_decode_tokens, device=device) - starts[req]
+        if seq_lens.dim() == 2:  # right-aligned rows of [B, next_n]
+            visible = seq_lens[req, seq_lens.shape[1] - decode_lens[req] + local]
+        else:
+            visible = (seq_lens.long()[req] - decode_lens[req] + local + 1).clamp(min=0)
+        next_n, req_ids, schedule = 1, req.to(torch.int32), None
+        context_lens = visible.to(torch.int32).view(-1, 1)
+    return DecodeBatch(
+        num_reqs=num_decode_tokens // next_n,
+        next_n=next_n,
+        context_lens=context_lens,
+        block_table=decode.block_table[:batch].to(torch.int32),
+        req_ids=req_ids,
+        max_context_len=max_model_len,
+        schedule_meta=schedule,
+    )
 
 
 def decode_topk(
@@ -149,77 +184,14 @@ def decode_topk(
     topk_tokens: int,
     topk_indices_buffer: torch.Tensor,
 ) -> None:
-    """Top-k positions of the decode tokens (``DeepSeekV32IndexerDecodeMetadata``).
-
-    Decode requests carry ``next_n`` query tokens each (1, or more with speculative decoding). A
-    batch whose requests have different query lengths is padded to ``[B, max_len]`` first, each
-    request's tokens in its last rows.
-    ``decode.seq_lens`` is ``[B, next_n]`` (visible keys of each query row) or ``[B]`` / ``[B, 1]``
-    (context length ``L``: row ``j`` sees positions ``<= L - next_n + j``).
-    """
-    decode_lens = decode.decode_lens
-    batch = decode_lens.shape[0]
-    if num_decode_tokens == 0 or batch == 0:
+    """Top-k positions of the decode tokens (``DeepSeekV32IndexerDecodeMetadata``, see :func:`decode_batch`)."""
+    if num_decode_tokens == 0 or decode.decode_lens.shape[0] == 0:
         return
-    q = q_fp8[:num_decode_tokens]
-    w = weights[:num_decode_tokens].float()
-    padded = bool(decode.requires_padding) or num_decode_tokens % batch != 0
-    if padded:
-        lens = decode_lens.tolist()
-        next_n = max(lens)
-        starts = torch.tensor([0, *lens], device=q.device).cumsum(0)[:-1]
-        token_req = torch.repeat_interleave(torch.arange(batch, device=q.device), decode_lens.long())
-        # Right-aligned: row j of request b sees L_b - next_n + j + 1 keys, so a request with fewer
-        # than next_n tokens takes the last rows.
-        token_col = (
-            torch.arange(num_decode_tokens, device=q.device)
-            - starts[token_req]
-            + (next_n - decode_lens.to(q.device).long())[token_req]
-        )
-        dest = token_req * next_n + token_col
-        q4 = torch.zeros((batch * next_n, *q.shape[1:]), dtype=torch.uint8, device=q.device)
-        q4[dest] = q.view(torch.uint8)
-        q4 = q4.view(q.dtype).view(batch, next_n, *q.shape[1:])
-        w4 = w.new_zeros((batch * next_n, w.shape[1]))
-        w4[dest] = w
-    else:
-        next_n = num_decode_tokens // batch
-        q4, w4, dest = q.reshape(batch, next_n, *q.shape[1:]), w, None
-
-    seq_lens = decode.seq_lens[:batch]
-    if seq_lens.dim() == 2 and seq_lens.shape[1] != next_n:
-        if seq_lens.shape[1] != 1:
-            raise ValueError(
-                f"decode seq_lens {tuple(seq_lens.shape)} does not match {next_n} query rows per request"
-            )
-        seq_lens = seq_lens[:, 0]
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    if seq_lens.dim() == 2:
-        visible = seq_lens.reshape(-1)
-    else:
-        j = torch.arange(next_n, device=seq_lens.device, dtype=torch.int32)
-        visible = (seq_lens[:, None] - next_n + j[None, :] + 1).clamp(min=0).reshape(-1)
+    dec = decode_batch(decode, num_decode_tokens, max_model_len)
     cache = kv_cache if kv_cache.dim() == 4 else kv_cache.unsqueeze(2)
-    schedule = getattr(decode, "schedule_metadata", None)
-    if schedule is None or schedule.dim() != 2 or schedule.shape[-1] != 2:
-        num_sms = (
-            torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 1
-        )
-        schedule = nsa_backend.get_paged_mqa_logits_metadata(seq_lens, cache.shape[1], num_sms)
-    logits = nsa_backend.fp8_paged_mqa_logits(
-        q4.contiguous(),
-        cache,
-        w4.contiguous(),
-        seq_lens,
-        decode.block_table[:batch].to(torch.int32),
-        schedule,
-        max_model_len,
-        clean_logits=False,
+    topk_indices_buffer[:num_decode_tokens, :topk_tokens] = decode_topk_positions(
+        dec, q_fp8, weights[:num_decode_tokens].float(), cache, topk_tokens, num_sms=_num_sms(q_fp8.device)
     )
-    top = nsa_backend.topk_indices(logits, topk_tokens, ends=visible.to(torch.int32))
-    if dest is not None:
-        top = top[dest]
-    topk_indices_buffer[:num_decode_tokens, :topk_tokens] = top
 
 
 def run_indexer(

@@ -6,8 +6,11 @@ Dimensions: ``T`` tokens of the batch (``num_actual_tokens``), ``B`` requests, `
 table width, ``page`` tokens per KV-cache block (64).
 
 vLLM orders a batch as decode requests first, then prefill requests; ``num_decode_tokens``
-splits the token axis accordingly. The MLA layer also reads ``prefill`` and ``decode``; both stay
-``None`` so that every token goes through the sparse (MQA) path.
+splits the token axis accordingly. The batch itself is described by ``core``, nsa-backend's
+framework-independent :class:`~nsa_backend.metadata.SparseAttnMetadata` that the attention runs
+on; the other fields are the ones vLLM's MLA layer and model runner read. The MLA layer also reads
+``prefill`` and ``decode``; both stay ``None`` so that every token goes through the sparse (MQA)
+path.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from nsa_backend.metadata import SparseAttnMetadata
 
 
 @dataclasses.dataclass
@@ -55,10 +60,14 @@ class NsaSparseMLAMetadata:
     """Longest query among the decode requests (1, or 1 + speculative tokens)."""
     prefill_max_seq_len: int = 0
     """Longest context among the prefill requests."""
+    core: SparseAttnMetadata | None = None
+    """The batch in nsa-backend's form: ``core.decode`` holds the ``num_decode_tokens`` leading tokens
+    one per row (``next_n = 1``: decode query lengths are decided on the device under speculative
+    decoding), ``core.prefill`` the rest with the keys of the prefill requests."""
     prefill: None = None
     """Always ``None``: no dense-MHA prefill; vLLM then runs all tokens through ``forward_mqa``."""
     decode: None = None
-    """Always ``None``: the sparse path keeps its decode metadata in the fields above."""
+    """Always ``None``: the sparse path keeps its decode metadata in ``core``."""
 
 
 def split_decodes_and_prefills(
@@ -91,13 +100,3 @@ def split_decodes_and_prefills(
     num_decode_tokens = int(query_start_loc_cpu[first_prefill])
     return first_prefill, num_reqs - first_prefill, num_decode_tokens, num_tokens - num_decode_tokens
 
-
-def request_ids_per_token(query_start_loc: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Request index of each token, computed on the device without a host sync.
-
-    ``token_ids`` is ``arange(T)``; tokens past the last request (CUDA-graph padding) map to the
-    last request. Returns ``[T]`` int32.
-    """
-    num_reqs = query_start_loc.numel() - 1
-    req = torch.searchsorted(query_start_loc[1:].contiguous(), token_ids, right=True)
-    return req.clamp_(max=max(num_reqs - 1, 0)).to(torch.int32)

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from nsa_backend_integrations.vllm.config import deep_gemm_has_kernels
 
 import nsa_backend
+from nsa_backend_integrations.vllm.config import deep_gemm_has_kernels
 
 logger = logging.getLogger("nsa_backend.vllm")
 

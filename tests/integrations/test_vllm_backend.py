@@ -14,15 +14,15 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
+
+import nsa_backend  # noqa: E402
 from nsa_backend_integrations.vllm.backend import (  # noqa: E402
     NsaSparseMLABackend,
     NsaSparseMLAImpl,
     NsaSparseMLAMetadataBuilder,
 )
 from nsa_backend_integrations.vllm.metadata import NsaSparseMLAMetadata  # noqa: E402
-from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
-
-import nsa_backend  # noqa: E402
 
 PAGE = 64
 TOPK = 2048
@@ -163,6 +163,72 @@ def test_builder_consumes_common_attention_metadata(builder, query_lens, context
     assert md.prefill_max_seq_len == (max(seq[num_decodes:]) if split[1] else 0)
 
 
+def expected_visible(query_lens: list[int], seq_lens: list[int]) -> list[int]:
+    """Keys each token may see (causal, its own included), written out per request."""
+    return [L - n + j + 1 for n, L in zip(query_lens, seq_lens) for j in range(n)]
+
+
+@pytest.mark.parametrize(
+    "query_lens, context_lens, threshold",
+    [
+        ([7, 3], [0, 5], 1),
+        ([1, 1, 1], [9, 130, 64], 1),
+        ([1, 1, 5, 2], [40, 7, 0, 90], 1),
+        ([2, 1, 3, 9], [40, 70, 5, 60], 3),  # speculative decodes of different lengths, then a prefill
+    ],
+    ids=["prefill", "decode", "mixed", "ragged-decodes"],
+)
+def test_builder_core_metadata(builder, monkeypatch, query_lens, context_lens, threshold):
+    """``md.core`` is nsa-backend's SparseAttnMetadata of the batch, checked field by field."""
+    from nsa_backend.metadata import SparseAttnMetadata
+
+    monkeypatch.setattr(builder, "reorder_batch_threshold", threshold)
+    cm = common_metadata(query_lens, context_lens)
+    md = builder.build(0, cm)
+    core = md.core
+    assert isinstance(core, SparseAttnMetadata)
+    assert core.page_size == PAGE and core.num_tokens == sum(query_lens)
+    assert torch.equal(core.slot_mapping, cm.slot_mapping)
+    seq = [q + c for q, c in zip(query_lens, context_lens)]
+    visible = expected_visible(query_lens, seq)
+    req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens)).tolist()
+    num_dec_tokens = md.num_decode_tokens
+    if md.num_decodes:
+        dec = core.decode
+        assert (dec.num_reqs, dec.next_n) == (num_dec_tokens, 1)  # one row per decode token
+        assert dec.context_lens.tolist() == [[v] for v in visible[:num_dec_tokens]]
+        assert dec.req_ids.tolist() == req[:num_dec_tokens]
+        assert dec.block_table is cm.block_table_tensor and dec.max_context_len == cm.max_seq_len
+        want_rows = cm.block_table_tensor[req[:num_dec_tokens]]
+        assert torch.equal(dec.row_block_table(), want_rows)
+    else:
+        assert core.decode is None
+    if md.num_prefills:
+        pre = core.prefill
+        assert (pre.token_start, pre.num_tokens) == (num_dec_tokens, md.num_prefill_tokens)
+        table = cm.block_table_tensor.tolist()
+        slots, starts, ends, offset = [], [], [], 0
+        for r in range(md.num_decodes, len(query_lens)):
+            slots += [table[r][p // PAGE] * PAGE + p % PAGE for p in range(seq[r])]
+            t0 = sum(query_lens[:r])
+            starts += [offset] * query_lens[r]
+            ends += [offset + visible[t0 + j] for j in range(query_lens[r])]
+            offset += seq[r]
+        assert pre.key_slots.tolist() == slots
+        assert pre.cu_seq_len_k_start.tolist() == starts and pre.cu_seq_len_k_end.tolist() == ends
+    else:
+        assert core.prefill is None
+
+
+def test_builder_core_decode_tensors_are_persistent(builder):
+    """Decode batches replay CUDA graphs: the core tensors the impl reads keep their addresses."""
+    first = builder.build(0, common_metadata([1, 1], [3, 4]))
+    second = builder.build(0, common_metadata([1, 1, 1], [30, 4, 5], seed=3))
+    assert first.core.decode.context_lens.data_ptr() == second.core.decode.context_lens.data_ptr()
+    assert first.core.decode.req_ids.data_ptr() == second.core.decode.req_ids.data_ptr()
+    assert second.core.decode.context_lens.view(-1).tolist() == [31, 5, 6]
+
+
 def test_builder_checks_configured_implementations(builder, vllm_config, monkeypatch):
     """A forced decode implementation that cannot run here fails when the builder is made."""
     from vllm.config import set_current_vllm_config
@@ -226,22 +292,36 @@ def expected_attention(
 
 
 @pytest.mark.parametrize(
-    "kv_cache_dtype, spaced",
+    "kv_cache_dtype, spaced, threshold",
     [
-        ("fp8_ds_mla", False),
-        ("fp8_ds_mla", True),
-        ("bfloat16", False),
-        ("bfloat16", True),
+        ("fp8_ds_mla", False, 1),
+        ("fp8_ds_mla", True, 1),
+        ("bfloat16", False, 1),
+        ("bfloat16", True, 1),
+        ("fp8_ds_mla", True, 2),
+        ("bfloat16", False, 2),
     ],
-    ids=["fp8-contiguous", "fp8-spaced-blocks", "bf16-contiguous", "bf16-spaced-blocks"],
+    ids=[
+        "fp8-contiguous",
+        "fp8-spaced-blocks",
+        "bf16-contiguous",
+        "bf16-spaced-blocks",
+        "fp8-spaced-spec-decodes",
+        "bf16-spec-decodes",
+    ],
 )
-def test_impl_forward_matches_independent_attention(builder, vllm_config, kv_cache_dtype, spaced):
+def test_impl_forward_matches_independent_attention(
+    builder, vllm_config, monkeypatch, kv_cache_dtype, spaced, threshold
+):
     from vllm.config import set_current_vllm_config
 
     torch.manual_seed(0)
-    query_lens, context_lens = [1, 2, 6, 3], [150, 70, 0, 200]  # 2 decodes (one MTP-style), 2 prefills
+    # threshold 1: one decode, three prefills; threshold 2: two decodes of 1 and 2 tokens, two prefills.
+    monkeypatch.setattr(builder, "reorder_batch_threshold", threshold)
+    query_lens, context_lens = [1, 2, 6, 3], [150, 70, 0, 200]
     cm = common_metadata(query_lens, context_lens, blocks_per_req=4, seed=1)
     md = builder.build(0, cm)
+    assert md.num_decodes == threshold
     num_tokens = md.num_actual_tokens
     seq_lens = cm.seq_lens.tolist()
 

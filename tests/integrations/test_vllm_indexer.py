@@ -17,11 +17,11 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from nsa_backend_integrations.vllm import indexer as nsa_indexer  # noqa: E402
-from nsa_backend_integrations.vllm import mhc, plugin  # noqa: E402
 from vllm.config.compilation import CompilationConfig  # noqa: E402
 
 import nsa_backend  # noqa: E402
+from nsa_backend_integrations.vllm import indexer as nsa_indexer  # noqa: E402
+from nsa_backend_integrations.vllm import mhc, plugin  # noqa: E402
 
 PAGE = 64
 HEAD_DIM = 128
@@ -178,6 +178,7 @@ class Batch:
         prefill_context: list[int],
         prefill_new: list[int],
         seed: int = 0,
+        context_seq_lens: bool = False,
     ):
         from vllm.v1.attention.backends.mla.indexer import (
             DeepSeekV32IndexerDecodeMetadata,
@@ -218,7 +219,8 @@ class Batch:
             seq_2d = (seq[:, None] - next_n + 1 + torch.arange(next_n, dtype=torch.int32)).clamp(min=0)
             decode = DeepSeekV32IndexerDecodeMetadata(
                 block_table=self.block_table[:nd],
-                seq_lens=seq_2d,
+                # vLLM's plain-decode form: [B] context lengths instead of [B, next_n] rows.
+                seq_lens=seq if context_seq_lens else seq_2d,
                 decode_lens=torch.tensor(decode_lens),
                 requires_padding=min(decode_lens) != next_n,
                 schedule_metadata=nsa_backend.get_paged_mqa_logits_metadata(seq_2d, PAGE, 4),
@@ -311,16 +313,30 @@ def test_layers_with_unsupported_caches_keep_vllm_indexer(dsa_indexer, vllm_conf
     assert type(op) is nsa_indexer.NsaSparseAttnIndexer and not op.nsa_enabled
 
 
-@pytest.mark.parametrize("decode_lens", [[1, 1], [2, 2], [1, 2]], ids=["decode", "mtp", "ragged-padded"])
-def test_oot_indexer_forward_matches_scores(dsa_indexer, vllm_config, decode_lens):
+@pytest.mark.parametrize(
+    "decode_lens, decode_context, context_seq_lens",
+    [
+        ([1, 1], [70, 130], False),
+        ([2, 2], [70, 130], False),
+        ([1, 2], [70, 130], False),
+        ([1, 3], [3, 130], False),  # fewer keys than top-k: every visible key must be chosen
+        ([3, 3], [5, 130], True),
+        ([3, 1], [5, 10], True),
+    ],
+    ids=["decode", "mtp", "ragged-padded", "ragged-short", "mtp-context-lens", "ragged-context-lens"],
+)
+def test_oot_indexer_forward_matches_scores(
+    dsa_indexer, vllm_config, decode_lens, decode_context, context_seq_lens
+):
     from vllm.forward_context import set_forward_context
 
     batch = Batch(
         decode_lens,
-        decode_context=[70, 130],
+        decode_context=decode_context,
         prefill_context=[40, 0],
         prefill_new=[30, 20],
         seed=len(decode_lens) + sum(decode_lens),
+        context_seq_lens=context_seq_lens,
     )
     op = dsa_indexer.indexer_op
     op.k_cache.kv_cache = batch.cache

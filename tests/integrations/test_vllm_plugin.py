@@ -16,6 +16,9 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
 from nsa_backend_integrations.vllm import plugin  # noqa: E402
 from nsa_backend_integrations.vllm.backend import (  # noqa: E402
     FlashInferSM120TakeoverBackend,
@@ -23,8 +26,6 @@ from nsa_backend_integrations.vllm.backend import (  # noqa: E402
     NsaSparseMLABackend,
 )
 from nsa_backend_integrations.vllm.config import VllmSettings, load_settings  # noqa: E402
-from vllm.platforms.interface import DeviceCapability  # noqa: E402
-from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 # A DeepSeek-V3.2-shaped config small enough to build on a CPU (GLM-5 uses the same DSA fields).
 DSA_CONFIG = {
