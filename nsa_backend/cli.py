@@ -28,7 +28,7 @@ from nsa_backend.bench.cli import add_bench_parser
 from nsa_backend.routing import capabilities as caps
 from nsa_backend.routing.config import FAMILY_ENV, ConfigError, get_config, use_config
 from nsa_backend.routing.device import ARCH_FAMILIES, detect_arch, device_summary, model_info
-from nsa_backend.routing.router import OP_FAMILY, Decision, plan_routes
+from nsa_backend.routing.router import OP_FAMILY, TENSOR_OPS, Decision, plan_routes
 from nsa_backend.routing.validate import IMPL_CHOICES, ImplChoiceError, normalize_kv_dtype, validate_impl_choice
 
 EXIT_OK = 0
@@ -130,7 +130,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     out.print(_route_table(f"routes on {arch} for {model.architecture} (tp={args.tp}, kv={kv})", decisions))
     if arch != "cpu":
         for d in decisions:
-            if d.impl == "reference":
+            if d.impl == "reference" and d.op not in TENSOR_OPS:
                 problems.append(f"{d.op} runs the PyTorch reference on the GPU ({d.reason})")
     if problems:
         out.print("[bold yellow]problems:[/bold yellow]")

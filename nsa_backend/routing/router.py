@@ -52,6 +52,10 @@ OP_FAMILY: dict[str, str | None] = {
 # Order in which "auto" tries implementations (the first usable one wins).
 _AUTO_ORDER: tuple[str, ...] = ("deep_gemm", "flash_mla", "flashinfer", "triton")
 
+# Ops whose reference is plain indexing and element-wise work: on a GPU it runs as a few fused torch
+# kernels at memory speed, so "reference" is their GPU route and not a fallback.
+TENSOR_OPS: frozenset[str] = frozenset({"pack_indexer_k_cache", "unpack_fp8_ds_mla"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
@@ -203,6 +207,8 @@ def decide(op: str, requested: str, arch: str, features: Mapping[str, Any], *, m
             return Decision(op, impl, "auto", note, verdict.padded)
         if impl != "triton":
             reasons.append(verdict.reason)
+    if op in TENSOR_OPS:
+        return Decision(op, "reference", "auto", "vectorised PyTorch tensor op (runs on the GPU; no kernel needed)")
     return Decision(op, "reference", "auto", f"no GPU kernel of {op} in this installation")
 
 
