@@ -92,22 +92,6 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     },
 }
 
-# Config/env key that governs each op.
-OP_FAMILY: dict[str, str] = {
-    "fp8_mqa_logits": "indexer",
-    "get_paged_mqa_logits_metadata": "indexer",
-    "fp8_paged_mqa_logits": "indexer",
-    "pack_indexer_k_cache": "indexer",
-    "topk_indices": "topk",
-    "logical_to_global_indices": "topk",
-    "flash_mla_sparse_fwd": "prefill",
-    "sparse_mla_decode": "decode",
-    "pack_fp8_ds_mla": "decode",
-    "unpack_fp8_ds_mla": "decode",
-    "write_fp8_ds_mla_cache": "decode",
-    "tf32_hc_prenorm_gemm": "hc_prenorm",
-}
-
 
 def custom_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn`` as the torch custom op ``name`` and return a caller that uses the op only when

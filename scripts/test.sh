@@ -2,8 +2,9 @@
 # The whole test suite, on a fresh machine or a warm one:
 #   1. core environment (CPU torch, triton, pytest, ruff): ruff, then every test under tests/
 #      (Triton kernels run in the CPU interpreter when there is no GPU; GPU tests skip);
-#   2. the SGLang integration tests inside an environment with the real sglang release;
-#   3. the vLLM integration tests inside an environment with the real vllm release.
+#   2. the SGLang integration and routing tests inside an environment with the real sglang release
+#      (routing is checked against SGLang's own validators and the native packages it brings);
+#   3. the vLLM integration and routing tests inside an environment with the real vllm release.
 # Environments (requirements in scripts/requirements/) are cached under $NSA_BACKEND_CACHE (default
 # ~/.cache/nsa-backend) and created when missing. Options: --core-only skips 2 and 3. Extra arguments after -- go to every pytest call.
 set -uo pipefail
@@ -44,7 +45,9 @@ stage "core tests"
 if [ "$core_only" = 0 ]; then
     stage "SGLang integration (sglang==0.5.23)"
     if sg_py="$(scripts/venv.sh sglang | tail -n 1)"; then
-        "$sg_py" -m pytest tests/integrations -q -p no:cacheprovider -k sglang \
+        # tests/routing again: there its checks against SGLang's own validators and the real native
+        # packages' signatures run instead of skipping.
+        "$sg_py" -m pytest tests/integrations/test_sglang_*.py tests/routing -q -p no:cacheprovider \
             --junitxml="$reports/sglang.xml" "${pytest_extra[@]}" || status=1
     else
         echo "could not create the SGLang environment" >&2; status=1
@@ -52,7 +55,7 @@ if [ "$core_only" = 0 ]; then
 
     stage "vLLM integration (vllm==0.33.0)"
     if vl_py="$(scripts/venv.sh vllm | tail -n 1)"; then
-        "$vl_py" -m pytest tests/integrations -q -p no:cacheprovider -k vllm \
+        "$vl_py" -m pytest tests/integrations/test_vllm_*.py tests/routing -q -p no:cacheprovider \
             --junitxml="$reports/vllm.xml" "${pytest_extra[@]}" || status=1
     else
         echo "could not create the vLLM environment" >&2; status=1

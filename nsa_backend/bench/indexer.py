@@ -248,56 +248,11 @@ def sweep(quick: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
-def to_markdown(rows: list[dict[str, Any]], limits: dict[str, float | None]) -> str:
-    """A markdown table of benchmark rows (and the limits they are compared with)."""
-    lim = ", ".join(f"{k} = {v:.0f}" for k, v in limits.items() if v)
-    lines = [f"Limits measured in the same run: {lim}", "",
-             "| op | shape | impl | ms | TFLOP/s | GB/s | ratios |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        shape = r["shape"]
-        if isinstance(shape, dict):
-            shape = ", ".join(f"{k}={v}" for k, v in shape.items())
-        ratios = ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items())
-        cells = [r["op"], shape, r["impl"], f"{r['ms']:.4f}" if r["ms"] else r.get("note", "-"),
-                 f"{r['tflops']:.0f}" if r["tflops"] else "", f"{r['gbps']:.0f}" if r["gbps"] else "", ratios]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> None:
-    """``python -m nsa_backend.bench.MODULE [--quick] [--sweep] [--out PREFIX]``: JSON + markdown."""
-    import argparse
-    import json
-    import sys
+    """``python -m nsa_backend.bench.indexer [--quick] [--sweep] [--out PREFIX]``: JSON + markdown."""
+    from nsa_backend.bench.standalone import family_main
 
-    from nsa_backend.bench.limits import measure_limits
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="time candidate configurations instead")
-    parser.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
-    args = parser.parse_args(argv)
-    limits = measure_limits("cuda", args.quick)
-    rows = sweep(args.quick) if args.sweep else run(args.quick, limits)
-    text = to_markdown(rows, limits)
-    print(text)
-    if args.out:
-        env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-        try:
-            import triton
-
-            env["triton"] = triton.__version__
-        except ImportError:
-            pass
-        cli = sys.argv[1:] if argv is None else argv
-        doc = {"command": "python -m " + __spec__.name + " " + " ".join(cli),
-               "environment": env, "limits": limits, "rows": rows}
-        with open(args.out + ".json", "w") as f:
-            json.dump(doc, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(f"`{doc['command']}` on {env['gpu']} "
-                    f"(torch {env['torch']}, triton {env.get('triton')})\n\n")
-            f.write(text)
+    family_main(__spec__.name if __spec__ else "nsa_backend.bench.indexer", run, sweep, argv)
 
 
 if __name__ == "__main__":
