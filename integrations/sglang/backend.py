@@ -144,6 +144,52 @@ def paged_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
     return buffer[:rows].view(rows // page_size, page_size, 1, buffer.shape[-1])
 
 
+def _nsa_or_sglang_forward(name: str) -> Any:
+    """SGLang's ``forward_extend`` / ``forward_decode`` (``name``) on nsa-backend where the phase has an
+    nsa-backend implementation and the layer passes top-k indices; SGLang's own method otherwise."""
+
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        layer,
+        forward_batch,
+        save_kv_cache=True,
+        q_rope=None,
+        k_rope=None,
+        topk_indices=None,
+        cos_sin_cache=None,
+        is_neox=False,
+        llama_4_scaling=None,
+        attn_sink=None,
+    ) -> torch.Tensor:
+        impl = self._phase_impl(name, forward_batch)
+        if impl is None or topk_indices is None:
+            return getattr(super(NsaSparseAttnBackend, self), name)(
+                q,
+                k,
+                v,
+                layer,
+                forward_batch,
+                save_kv_cache,
+                q_rope,
+                k_rope,
+                topk_indices,
+                cos_sin_cache,
+                is_neox,
+                llama_4_scaling,
+                attn_sink,
+            )
+        return self._forward_nsa(
+            q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, topk_indices, attn_sink, impl
+        )
+
+    forward.__name__ = name
+    forward.__qualname__ = f"NsaSparseAttnBackend.{name}"
+    return forward
+
+
 class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
     """SGLang DSA attention backend running nsa-backend's routed kernels."""
 
@@ -326,81 +372,17 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
             out = torch.cat([out, out.new_zeros(total - n, *out.shape[1:])])
         return out
 
-    def forward_extend(
-        self,
-        q,
-        k,
-        v,
-        layer,
-        forward_batch,
-        save_kv_cache=True,
-        q_rope=None,
-        k_rope=None,
-        topk_indices=None,
-        cos_sin_cache=None,
-        is_neox=False,
-        llama_4_scaling=None,
-        attn_sink=None,
-    ) -> torch.Tensor:
+    def _phase_impl(self, name: str, forward_batch) -> str | None:
+        """nsa-backend implementation for SGLang's ``forward_extend`` / ``forward_decode`` of this
+        batch (speculative verify and draft-extend batches are decode work), None for SGLang's own."""
+        if name == "forward_decode":
+            return self.nsa_decode_impl
         mode = forward_batch.forward_mode
         speculative = mode.is_target_verify() or mode.is_draft_extend_v2()
-        impl = self.nsa_decode_impl if speculative else self.nsa_prefill_impl
-        if impl is None or topk_indices is None:
-            return super().forward_extend(
-                q,
-                k,
-                v,
-                layer,
-                forward_batch,
-                save_kv_cache,
-                q_rope,
-                k_rope,
-                topk_indices,
-                cos_sin_cache,
-                is_neox,
-                llama_4_scaling,
-                attn_sink,
-            )
-        return self._forward_nsa(
-            q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, topk_indices, attn_sink, impl
-        )
+        return self.nsa_decode_impl if speculative else self.nsa_prefill_impl
 
-    def forward_decode(
-        self,
-        q,
-        k,
-        v,
-        layer,
-        forward_batch,
-        save_kv_cache=True,
-        q_rope=None,
-        k_rope=None,
-        topk_indices=None,
-        cos_sin_cache=None,
-        is_neox=False,
-        llama_4_scaling=None,
-        attn_sink=None,
-    ) -> torch.Tensor:
-        impl = self.nsa_decode_impl
-        if impl is None or topk_indices is None:
-            return super().forward_decode(
-                q,
-                k,
-                v,
-                layer,
-                forward_batch,
-                save_kv_cache,
-                q_rope,
-                k_rope,
-                topk_indices,
-                cos_sin_cache,
-                is_neox,
-                llama_4_scaling,
-                attn_sink,
-            )
-        return self._forward_nsa(
-            q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, topk_indices, attn_sink, impl
-        )
+    forward_extend = _nsa_or_sglang_forward("forward_extend")
+    forward_decode = _nsa_or_sglang_forward("forward_decode")
 
 
 class NsaSparseAttnMultiStepBackend(DeepseekSparseAttnMultiStepBackend):

@@ -205,22 +205,9 @@ def _indexer_op(
     )
 
 
-def _indexer_op_fake(
-    hidden_states: torch.Tensor,
-    k_cache_prefix: str,
-    kv_cache: torch.Tensor,
-    q_quant: torch.Tensor,
-    k: torch.Tensor | None,
-    weights: torch.Tensor,
-    quant_block_size: int,
-    scale_fmt: str | None,
-    topk_tokens: int,
-    head_dim: int,
-    max_model_len: int,
-    total_seq_lens: int,
-    topk_indices_buffer: torch.Tensor,
-    skip_k_cache_insert: bool,
-) -> None:
+def _indexer_op_fake(*args: Any, **kwargs: Any) -> None:
+    """Tracing stand-in for :func:`_indexer_op`: the op returns nothing and only writes into
+    ``topk_indices_buffer``."""
     return None
 
 
@@ -288,6 +275,20 @@ def install_module_patches() -> dict[str, Any]:
     return dict(_patched)
 
 
+def _nsa_or_vllm_forward(name: str) -> Any:
+    """``SparseAttnIndexer.<name>`` that runs :meth:`NsaSparseAttnIndexer._nsa_forward` where the
+    layer is enabled and vLLM's method of that name otherwise."""
+
+    def forward(self, hidden_states, q_quant, k, weights):
+        if self.nsa_enabled:
+            return self._nsa_forward(hidden_states, q_quant, k, weights)
+        return getattr(super(NsaSparseAttnIndexer, self), name)(hidden_states, q_quant, k, weights)
+
+    forward.__name__ = name
+    forward.__qualname__ = f"NsaSparseAttnIndexer.{name}"
+    return forward
+
+
 class NsaSparseAttnIndexer(SparseAttnIndexer):
     """vLLM's indexer op with nsa-backend kernels (see the module docstring)."""
 
@@ -347,35 +348,13 @@ class NsaSparseAttnIndexer(SparseAttnIndexer):
         )
         return self.topk_indices_buffer
 
-    def forward_native(self, hidden_states, q_quant, k, weights):
-        if self.nsa_enabled:
-            return self._nsa_forward(hidden_states, q_quant, k, weights)
-        return super().forward_native(hidden_states, q_quant, k, weights)
-
-    def forward_cuda(self, hidden_states, q_quant, k, weights):
-        if self.nsa_enabled:
-            return self._nsa_forward(hidden_states, q_quant, k, weights)
-        return super().forward_cuda(hidden_states, q_quant, k, weights)
-
-    def forward_hip(self, hidden_states, q_quant, k, weights):
-        if self.nsa_enabled:
-            return self._nsa_forward(hidden_states, q_quant, k, weights)
-        return super().forward_hip(hidden_states, q_quant, k, weights)
-
-    def forward_xpu(self, hidden_states, q_quant, k, weights):
-        if self.nsa_enabled:
-            return self._nsa_forward(hidden_states, q_quant, k, weights)
-        return super().forward_xpu(hidden_states, q_quant, k, weights)
-
-    def forward_cpu(self, hidden_states, q_quant, k, weights):
-        if self.nsa_enabled:
-            return self._nsa_forward(hidden_states, q_quant, k, weights)
-        return super().forward_cpu(hidden_states, q_quant, k, weights)
-
-    def forward_oot(self, hidden_states, q_quant, k, weights):
-        if self.nsa_enabled:
-            return self._nsa_forward(hidden_states, q_quant, k, weights)
-        return super().forward_oot(hidden_states, q_quant, k, weights)
+    # Every platform's forward: nsa-backend where this layer is enabled, vLLM's own otherwise.
+    forward_native = _nsa_or_vllm_forward("forward_native")
+    forward_cuda = _nsa_or_vllm_forward("forward_cuda")
+    forward_hip = _nsa_or_vllm_forward("forward_hip")
+    forward_xpu = _nsa_or_vllm_forward("forward_xpu")
+    forward_cpu = _nsa_or_vllm_forward("forward_cpu")
+    forward_oot = _nsa_or_vllm_forward("forward_oot")
 
 
 def register_oot_indexer(mode: str) -> type[SparseAttnIndexer]:

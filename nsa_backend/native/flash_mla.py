@@ -68,6 +68,20 @@ def _round_up(x: int, block: int) -> int:
     return (x + block - 1) // block * block
 
 
+def _apply_topk_length(indices: torch.Tensor, topk_length: torch.Tensor | None) -> torch.Tensor:
+    """Mark entries past each row's ``topk_length`` invalid (-1).
+
+    ``indices`` is ``[R, *, topk]`` and ``topk_length`` ``[R]`` (prefill rows, or decode requests).
+    FlashMLA's V3.2 kernels (the SM90 ones reached with ``use_legacy=True``) refuse a dynamic top-k
+    length; every FlashMLA kernel skips -1 entries, so this is the same computation, without a host sync.
+    """
+    if topk_length is None:
+        return indices
+    rank = torch.arange(indices.shape[-1], device=indices.device)
+    keep = rank < topk_length.view(-1, 1, 1)
+    return torch.where(keep, indices, torch.full_like(indices, -1))
+
+
 def flash_mla_sparse_fwd(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -84,9 +98,10 @@ def flash_mla_sparse_fwd(
     q = _pad_dim(q, 1, target)
     if attn_sink is not None:
         attn_sink = _pad_dim(attn_sink, 0, target)
+    indices = _apply_topk_length(indices, topk_length)
     indices = _pad_dim(indices, 2, _round_up(indices.shape[2], PREFILL_TOPK_BLOCK), -1)
     kwargs = legacy_kwargs("flash_mla_sparse_fwd", d_qk, q.device)
-    out, max_logits, lse = fm.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, **kwargs)
+    out, max_logits, lse = fm.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, None, **kwargs)
     if target != heads:
         out, max_logits, lse = out[:, :heads], max_logits[:, :heads], lse[:, :heads]
     return out, max_logits, lse
@@ -110,6 +125,7 @@ def sparse_mla_decode(
     cache = kv_cache if kv_cache.dim() == 4 else kv_cache.unsqueeze(2)
     num_slots = cache.shape[0] * cache.shape[1]
     indices = torch.where((indices < 0) | (indices >= num_slots), torch.full_like(indices, -1), indices)
+    indices = _apply_topk_length(indices, topk_length)
     indices = _pad_dim(indices, 2, _round_up(indices.shape[2], DECODE_TOPK_BLOCK), -1)
     target = get_padded_heads("sparse_mla_decode", "flash_mla", heads, device=q.device)
     q = _pad_dim(q, 2, target)
@@ -120,7 +136,7 @@ def sparse_mla_decode(
     out, lse = fm.flash_mla_with_kvcache(
         q, cache, None, None, d_v, sched, None,
         softmax_scale=sm_scale, causal=False, is_fp8_kvcache=True, indices=indices.contiguous(),
-        attn_sink=attn_sink, topk_length=topk_length, **kwargs,
+        attn_sink=attn_sink, topk_length=None, **kwargs,
     )
     if target != heads:
         out, lse = out[:, :, :heads], lse[:, :heads]

@@ -251,31 +251,24 @@ def test_topk_transform(mode):
     tokens = keys_per_token(mode)
     gen = torch.Generator().manual_seed(3)
     pool = b.token_to_kv_pool
-    if mode == "prefill":
-        assert im.topk_transform_method == TopkTransformMethod.RAGGED
+    # Prefill keeps positions in the ragged logits; mixed (extend rows on the ragged logits) and
+    # decode / verify (logits over the request's positions) return cache slots.
+    paged = mode != "prefill"
+    ragged_logits = mode in ("prefill", "mixed")
+    assert im.topk_transform_method == (TopkTransformMethod.PAGED if paged else TopkTransformMethod.RAGGED)
+    if ragged_logits:
         ks, ke = b.forward_metadata.indexer_k_start_end
         logits = torch.randn(len(tokens), int(ke.max()), generator=gen)
         out = im.topk_transform(logits, TOPK, ks=ks)
-        for i, (_, visible) in enumerate(tokens):
-            got = {int(x) for x in out[i] if x >= 0}
-            assert got == _ref_topk(logits[i], int(ks[i]), int(ks[i]) + visible), i
-    elif mode == "mixed":  # extend rows on the ragged logits, cache slots out
-        assert im.topk_transform_method == TopkTransformMethod.PAGED
-        ks, ke = b.forward_metadata.indexer_k_start_end
-        logits = torch.randn(len(tokens), int(ke.max()), generator=gen)
-        out = im.topk_transform(logits, TOPK, ks=ks)
-        for i, (r, visible) in enumerate(tokens):
-            got = {int(x) for x in out[i] if x >= 0}
-            positions = _ref_topk(logits[i], int(ks[i]), int(ks[i]) + visible)
-            assert got == {int(pool.req_to_token[r, p - int(ks[i])]) for p in positions}, i
     else:
-        assert im.topk_transform_method == TopkTransformMethod.PAGED
         logits = torch.randn(len(tokens), MAX_CTX, generator=gen)
         out = im.topk_transform(logits, TOPK)
-        for i, (r, visible) in enumerate(tokens):
-            got = {int(x) for x in out[i] if x >= 0}
-            expect = {int(pool.req_to_token[r, p]) for p in _ref_topk(logits[i], 0, visible)}
-            assert got == expect, i
+    for i, (r, visible) in enumerate(tokens):
+        start = int(ks[i]) if ragged_logits else 0
+        expect = _ref_topk(logits[i], start, start + visible)
+        if paged:
+            expect = {int(pool.req_to_token[r, p - start]) for p in expect}
+        assert {int(x) for x in out[i] if x >= 0} == expect, i
     assert out.dtype == torch.int32 and out.shape == (len(tokens), TOPK)
 
 

@@ -7,8 +7,6 @@ the cache bytes (fp8 values times their block scale, bf16 rope), independent of 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -23,65 +21,28 @@ from nsa_backend_integrations.vllm.backend import (  # noqa: E402
     NsaSparseMLAMetadataBuilder,
 )
 from nsa_backend_integrations.vllm.metadata import NsaSparseMLAMetadata  # noqa: E402
+from tests.integrations import vllm_fixtures as vf  # noqa: E402
 
 PAGE = 64
 TOPK = 2048
 NUM_HEADS = 4
 D_QK, D_V = 576, 512
 
-DSA_CONFIG = {
-    "architectures": ["GlmMoeDsaForCausalLM"],
-    "model_type": "glm_moe_dsa",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": NUM_HEADS,
-    "num_key_value_heads": NUM_HEADS,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 128,
-    "qk_nope_head_dim": 192,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 256,
-    "index_topk": TOPK,
-    "index_n_heads": 32,
-    "index_head_dim": 128,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000,
-    "vocab_size": 1024,
-    "torch_dtype": "bfloat16",
-    "rms_norm_eps": 1e-6,
-    "topk_method": "noaux_tc",
-    "n_group": 1,
-    "topk_group": 1,
-    "scoring_func": "sigmoid",
-    "routed_scaling_factor": 1.0,
-    "norm_topk_prob": True,
-}
-
-
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory):
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
-    from vllm.platforms import current_platform
-
-    if not current_platform.device_type:  # no GPU: vLLM cannot infer a device type
-        current_platform.device_type = "cpu"
-    path = tmp_path_factory.mktemp("glm5")
-    (path / "config.json").write_text(json.dumps(DSA_CONFIG))
-    model_config = ModelConfig(
-        model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096
+    vf.cpu_platform()
+    # GLM-5-shaped: DeepSeek-V3.2's DSA fields with GLM-5's architecture and head dimensions.
+    config = vf.dsa_model_config(
+        architectures=["GlmMoeDsaForCausalLM"],
+        model_type="glm_moe_dsa",
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_HEADS,
+        qk_nope_head_dim=192,
+        v_head_dim=256,
+        index_topk=TOPK,
+        index_n_heads=32,
     )
-    return VllmConfig(
-        model_config=model_config,
-        cache_config=CacheConfig(block_size=PAGE, cache_dtype="fp8_ds_mla"),
-        device_config=DeviceConfig(device="cpu"),
-    )
+    return vf.vllm_config(vf.model_dir(tmp_path_factory, "glm5", config), block_size=PAGE)
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +252,23 @@ def expected_attention(
     return out
 
 
+def impl_args(**overrides) -> dict:
+    """The attention-layer arguments vLLM passes to every impl, for an fp8_ds_mla layer of this model."""
+    args = dict(
+        num_heads=NUM_HEADS,
+        head_size=D_QK,
+        scale=0.1,
+        num_kv_heads=1,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="fp8_ds_mla",
+        logits_soft_cap=None,
+        attn_type="decoder",
+        kv_sharing_target_layer_name=None,
+    )
+    return {**args, **overrides}
+
+
 @pytest.mark.parametrize(
     "kv_cache_dtype, spaced, threshold",
     [
@@ -349,16 +327,7 @@ def test_impl_forward_matches_independent_attention(
 
     with set_current_vllm_config(vllm_config):
         impl = NsaSparseMLABackend.get_impl_cls()(
-            num_heads=NUM_HEADS,
-            head_size=D_QK,
-            scale=0.07,
-            num_kv_heads=1,
-            alibi_slopes=None,
-            sliding_window=None,
-            kv_cache_dtype=kv_cache_dtype,
-            logits_soft_cap=None,
-            attn_type="decoder",
-            kv_sharing_target_layer_name=None,
+            **impl_args(scale=0.07, kv_cache_dtype=kv_cache_dtype),
             q_lora_rank=128,
             kv_lora_rank=512,
             qk_nope_head_dim=192,
@@ -383,19 +352,7 @@ def test_impl_writes_cache_rows_on_cpu(vllm_config):
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(vllm_config):
-        impl = NsaSparseMLAImpl(
-            num_heads=NUM_HEADS,
-            head_size=D_QK,
-            scale=0.1,
-            num_kv_heads=1,
-            alibi_slopes=None,
-            sliding_window=None,
-            kv_cache_dtype="fp8_ds_mla",
-            logits_soft_cap=None,
-            attn_type="decoder",
-            kv_sharing_target_layer_name=None,
-            topk_indices_buffer=torch.empty(0, dtype=torch.int32),
-        )
+        impl = NsaSparseMLAImpl(**impl_args(), topk_indices_buffer=torch.empty(0, dtype=torch.int32))
         kv_c = torch.randn(5, 512).to(torch.bfloat16)
         k_pe = torch.randn(5, 1, 64).to(torch.bfloat16)
         cache = torch.zeros(4, PAGE, 656, dtype=torch.uint8)
@@ -412,18 +369,8 @@ def test_impl_writes_cache_rows_on_cpu(vllm_config):
 def test_impl_rejects_unsupported_layers(vllm_config):
     from vllm.config import set_current_vllm_config
 
-    common = dict(
-        num_heads=NUM_HEADS,
-        head_size=D_QK,
-        scale=0.1,
-        num_kv_heads=1,
-        alibi_slopes=None,
-        logits_soft_cap=None,
-        attn_type="decoder",
-        kv_sharing_target_layer_name=None,
-    )
     with set_current_vllm_config(vllm_config):
         with pytest.raises(NotImplementedError, match="sliding_window"):
-            NsaSparseMLAImpl(sliding_window=128, kv_cache_dtype="fp8_ds_mla", **common)
+            NsaSparseMLAImpl(**impl_args(sliding_window=128))
         with pytest.raises(NotImplementedError, match="kv_cache_dtype 'fp8'"):
-            NsaSparseMLAImpl(sliding_window=None, kv_cache_dtype="fp8", **common)
+            NsaSparseMLAImpl(**impl_args(kv_cache_dtype="fp8"))

@@ -8,7 +8,6 @@ Reference: index scores written out in this file from the cache bytes
 from __future__ import annotations
 
 import inspect
-import json
 import socket
 import sys
 
@@ -22,6 +21,7 @@ from vllm.config.compilation import CompilationConfig  # noqa: E402
 import nsa_backend  # noqa: E402
 from nsa_backend_integrations.vllm import indexer as nsa_indexer  # noqa: E402
 from nsa_backend_integrations.vllm import mhc, plugin  # noqa: E402
+from tests.integrations import vllm_fixtures as vf  # noqa: E402
 
 PAGE = 64
 HEAD_DIM = 128
@@ -29,42 +29,6 @@ INDEX_HEADS = 8
 TOPK = 16
 NUM_BLOCKS = 24
 PREFIX = "model.layers.1.self_attn.indexer"
-
-DSA_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v32",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 128,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "index_topk": TOPK,
-    "index_n_heads": INDEX_HEADS,
-    "index_head_dim": HEAD_DIM,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000,
-    "vocab_size": 1024,
-    "torch_dtype": "bfloat16",
-    "rms_norm_eps": 1e-6,
-    "topk_method": "noaux_tc",
-    "n_group": 1,
-    "topk_group": 1,
-    "scoring_func": "sigmoid",
-    "routed_scaling_factor": 1.0,
-    "norm_topk_prob": True,
-}
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -74,22 +38,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory):
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
-    from vllm.platforms import current_platform
-
-    if not current_platform.device_type:  # no GPU: vLLM cannot infer a device type
-        current_platform.device_type = "cpu"
+    vf.cpu_platform()
     plugin.register()
-    path = tmp_path_factory.mktemp("dsv32")
-    (path / "config.json").write_text(json.dumps(DSA_CONFIG))
-    model_config = ModelConfig(
-        model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096
-    )
-    return VllmConfig(
-        model_config=model_config,
-        cache_config=CacheConfig(block_size=PAGE, cache_dtype="fp8_ds_mla"),
-        device_config=DeviceConfig(device="cpu"),
-    )
+    config = vf.dsa_model_config(index_topk=TOPK, index_n_heads=INDEX_HEADS, index_head_dim=HEAD_DIM)
+    return vf.vllm_config(vf.model_dir(tmp_path_factory, "dsv32", config), block_size=PAGE)
 
 
 @pytest.fixture(scope="module")

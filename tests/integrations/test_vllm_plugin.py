@@ -7,7 +7,6 @@ through its classmethods with a stubbed compute capability.
 
 from __future__ import annotations
 
-import json
 import sys
 import types
 
@@ -26,45 +25,11 @@ from nsa_backend_integrations.vllm.backend import (  # noqa: E402
     NsaSparseMLABackend,
 )
 from nsa_backend_integrations.vllm.config import VllmSettings, load_settings  # noqa: E402
+from tests.integrations import vllm_fixtures as vf  # noqa: E402
 
-# A DeepSeek-V3.2-shaped config small enough to build on a CPU (GLM-5 uses the same DSA fields).
-DSA_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v32",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 128,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "index_topk": 2048,
-    "index_n_heads": 64,
-    "index_head_dim": 128,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000,
-    "vocab_size": 1024,
-    "torch_dtype": "bfloat16",
-    "rms_norm_eps": 1e-6,
-    "topk_method": "noaux_tc",
-    "n_group": 1,
-    "topk_group": 1,
-    "scoring_func": "sigmoid",
-    "routed_scaling_factor": 1.0,
-    "norm_topk_prob": True,
-}
 # The same model without the indexer: dense MLA (DeepSeek-V3).
 DENSE_CONFIG = {
-    **{k: v for k, v in DSA_CONFIG.items() if not k.startswith("index_")},
+    **{k: v for k, v in vf.DSA_CONFIG.items() if not k.startswith("index_")},
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
 }
@@ -72,20 +37,9 @@ DENSE_CONFIG = {
 ACCEPTED_CAPABILITIES = [(12, 0), (12, 1), (9, 0), (10, 0), (8, 9)]
 
 
-def _model_dir(tmp_path_factory, name: str, config: dict) -> str:
-    path = tmp_path_factory.mktemp(name)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def cpu_platform():
-    """vLLM on a machine without a GPU has no device type; configs need one."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.device_type:
-        current_platform.device_type = "cpu"
-    return current_platform
+    return vf.cpu_platform()
 
 
 @pytest.fixture(scope="module")
@@ -101,27 +55,14 @@ def loaded(cpu_platform):
     return state
 
 
-def _vllm_config(model_dir: str, cache_dtype: str = "fp8_ds_mla"):
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
-
-    model_config = ModelConfig(
-        model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096
-    )
-    return VllmConfig(
-        model_config=model_config,
-        cache_config=CacheConfig(block_size=64, cache_dtype=cache_dtype),
-        device_config=DeviceConfig(device="cpu"),
-    )
-
-
 @pytest.fixture(scope="module")
 def dsa_config(tmp_path_factory, cpu_platform):
-    return _vllm_config(_model_dir(tmp_path_factory, "dsa", DSA_CONFIG))
+    return vf.vllm_config(vf.model_dir(tmp_path_factory, "dsa", vf.DSA_CONFIG))
 
 
 @pytest.fixture(scope="module")
 def dense_config(tmp_path_factory, cpu_platform):
-    return _vllm_config(_model_dir(tmp_path_factory, "dense", DENSE_CONFIG))
+    return vf.vllm_config(vf.model_dir(tmp_path_factory, "dense", DENSE_CONFIG))
 
 
 def _validate(backend, capability=(12, 0), **overrides) -> list[str]:
@@ -189,7 +130,7 @@ def test_attention_backend_custom_parses_through_engine_args(loaded, tmp_path_fa
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    model = _model_dir(tmp_path_factory, "cli", DSA_CONFIG)
+    model = vf.model_dir(tmp_path_factory, "cli", vf.DSA_CONFIG)
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(
         [

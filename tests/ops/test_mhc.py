@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not has_triton(), reason="needs triton")
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
 # Error bounds, relative to the RMS of the reference output: TF32 rounds b to a 10-bit mantissa.
-TOL = {"tf32": 8e-3, "bf16x3": 2e-5}
+TOL = {"tf32": 8e-3, "bf16x3": 2e-4}
 
 
 def _inputs(m: int, n: int, k: int, splits: int | None, device: str = DEVICE):
