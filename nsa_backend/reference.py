@@ -145,7 +145,8 @@ def fp8_paged_mqa_logits(
         # A page id outside the cache is treated as holding no visible key.
         bad_page = ((pages < 0) | (pages >= num_pages)).repeat_interleave(block_kv)[:n_keys]
         pages = pages.clamp(0, max(num_pages - 1, 0))
-        k = values[pages].reshape(-1, D)[:n_keys]  # [n_keys, D]
+        # Index the bytes: older torch has no CPU indexing kernel for float8.
+        k = values.view(torch.uint8)[pages].view(FP8).reshape(-1, D)[:n_keys]  # [n_keys, D]
         ks = scales[pages].reshape(-1)[:n_keys]
         logits = _indexer_scores(q_rows[b], k, w_rows[b]) * ks[None, :]  # [next_n, n_keys]
         t = torch.arange(n_keys, device=q.device)[None, :]
@@ -161,7 +162,7 @@ def pack_indexer_k_cache(k, block_kv: int = 64) -> torch.Tensor:
         k_scale = k_scale.float()
     else:
         kf = k.float()
-        k_scale = kf.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+        k_scale = _scale_from_amax(kf.abs().amax(dim=-1))
         k_fp8 = (kf / k_scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     N, D = k_fp8.shape
     P = (N + block_kv - 1) // block_kv
@@ -303,9 +304,16 @@ def unpack_fp8_ds_mla(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, rope], dim=1).to(torch.bfloat16)
 
 
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax, 1e-4) / 448`` as a true division on every device (CUDA turns division by a
+    Python scalar into a multiplication by its reciprocal, which can differ in the last bit)."""
+    a = amax.float().clamp(min=AMAX_FLOOR)
+    return a / torch.full_like(a, FP8_MAX)
+
+
 def ds_mla_scales(amax: torch.Tensor, scale_format: str) -> torch.Tensor:
     """Per-group dequantisation scale from the group's absolute maximum."""
-    scale = amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX
+    scale = _scale_from_amax(amax)
     if scale_format == "pow2":
         # Smallest power of two >= scale, exactly (log2 can round 2^k * (1 + eps) down to k).
         m, e = torch.frexp(scale)  # scale = m * 2**e, 0.5 <= m < 1

@@ -1,0 +1,336 @@
+"""Benchmark of sparse MLA prefill and decode: Triton kernels against FlashMLA and the reference.
+
+Shapes (``quick=False``):
+
+- prefill ``flash_mla_sparse_fwd``: ``s_q 4096``, ``s_kv 32768``, ``topk 2048``, ``d_qk 576``,
+  ``h_q`` in {128, 64, 32, 16}. Useful FLOPs ``2 * s_q * h_q * topk * (d_qk + d_v)``.
+- decode ``sparse_mla_decode`` over an "fp8_ds_mla" cache (page 64, 8192 tokens per request):
+  ``B`` in {32, 128}, ``s_q`` in {1, 2}, ``topk 2048``, ``h_q`` in {128, 64, 16}. Bytes: the gathered
+  656-byte tokens plus ``q`` and ``out``; ``gbps`` is reported next to the measured copy bandwidth.
+
+FlashMLA (``flash_mla`` package, ``use_legacy=True`` where it takes that argument) accepts
+``h_q`` 64 or 128 only; smaller head counts are run padded to 64 heads, as frameworks do, and the
+row is named ``flash_mla_pad64``. ``ratios["vs_flash_mla"]`` is FlashMLA's time over ours (> 1:
+ours is faster). The reference runs only in quick mode (it is far slower).
+
+Run alone: ``python -m nsa_backend.bench.sparse_mla [--quick] [--out results.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nsa_backend.bench.timing import bench_ms, gbps, tflops
+
+FAMILY = "sparse_mla"
+D_QK = 576
+D_V = 512
+PAGE = 64
+TOKENS_PER_REQUEST = 8192
+
+
+def _flash_mla() -> Any | None:
+    try:
+        import flash_mla
+    except Exception:
+        return None
+    return flash_mla
+
+
+def _legacy(fn: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return {"use_legacy": True} if "use_legacy" in inspect.signature(fn).parameters else {}
+    except (TypeError, ValueError):
+        return {}
+
+
+def _row(
+    op: str,
+    shape: dict[str, Any],
+    impl: str,
+    ms: float | None,
+    flops: float | None,
+    nbytes: float | None,
+    ratios: dict[str, float | None] | None = None,
+    note: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "family": FAMILY,
+        "op": op,
+        "shape": shape,
+        "impl": impl,
+        "ms": ms,
+        "tflops": tflops(flops, ms),
+        "gbps": gbps(nbytes, ms),
+        "ratios": ratios or {},
+        "note": note,
+    }
+
+
+def _safe_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float | None, str | None]:
+    try:
+        fn()
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        return bench_ms(fn, device=device), None
+    except Exception as e:  # a baseline that fails is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def prefill_inputs(s_q: int, s_kv: int, h_q: int, topk: int, device: torch.device) -> dict[str, Any]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(s_q, h_q, D_QK, generator=g).to(device=device, dtype=torch.bfloat16)
+    kv = torch.randn(s_kv, 1, D_QK, generator=g).to(device=device, dtype=torch.bfloat16)
+    idx = torch.rand(s_q, s_kv, device=device).argsort(dim=1)[:, :topk].to(torch.int32).view(s_q, 1, topk)
+    return dict(q=q, kv=kv, indices=idx, sm_scale=D_QK**-0.5)
+
+
+def decode_inputs(B: int, s_q: int, h_q: int, topk: int, device: torch.device) -> dict[str, Any]:
+    from nsa_backend.reference import pack_fp8_ds_mla
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    n_tok = B * TOKENS_PER_REQUEST
+    num_blocks = n_tok // PAGE
+    kv = torch.randn(n_tok, D_QK, generator=g).to(device=device, dtype=torch.bfloat16)
+    cache = pack_fp8_ds_mla(kv, "pow2").view(num_blocks, PAGE, 1, 656)
+    del kv
+    # Request b owns a random set of pages; its top-k are random distinct positions of its context.
+    perm = torch.randperm(num_blocks, generator=g).to(device).view(B, -1)  # [B, pages per request]
+    pos = torch.rand(B * s_q, TOKENS_PER_REQUEST, device=device).argsort(dim=1)[:, :topk].view(B, s_q, topk)
+    page = torch.gather(perm, 1, (pos // PAGE).view(B, -1)).view(B, s_q, topk)
+    idx = (page * PAGE + pos % PAGE).to(torch.int32)
+    q = torch.randn(B, s_q, h_q, D_QK, generator=g).to(device=device, dtype=torch.bfloat16)
+    return dict(q=q, kv_cache=cache, indices=idx, sm_scale=D_QK**-0.5)
+
+
+def _pad_heads(x: torch.Tensor, dim: int, target: int) -> torch.Tensor:
+    if x.shape[dim] >= target:
+        return x
+    shape = list(x.shape)
+    shape[dim] = target - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
+
+
+def bench_prefill(
+    h_q: int,
+    s_q: int,
+    s_kv: int,
+    topk: int,
+    device: torch.device,
+    with_reference: bool,
+) -> list[dict[str, Any]]:
+    from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
+
+    a = prefill_inputs(s_q, s_kv, h_q, topk, device)
+    shape = {"s_q": s_q, "s_kv": s_kv, "h_q": h_q, "topk": topk, "d_qk": D_QK, "d_v": D_V}
+    flops = 2.0 * s_q * h_q * topk * (D_QK + D_V)
+    nbytes = s_q * topk * D_QK * 2.0 + a["q"].numel() * 2 + s_q * h_q * D_V * 2
+    rows = []
+    ms, note = _safe_ms(
+        lambda: flash_mla_sparse_fwd_triton(a["q"], a["kv"], a["indices"], a["sm_scale"]), device
+    )
+    ours = ms
+    fm = _flash_mla()
+    fm_ms = None
+    if fm is not None and device.type == "cuda":
+        target = 64 if h_q <= 64 else 128
+        qp = _pad_heads(a["q"], 1, target)
+        kw = _legacy(fm.flash_mla_sparse_fwd)
+        fm_ms, fm_note = _safe_ms(
+            lambda: fm.flash_mla_sparse_fwd(qp, a["kv"], a["indices"], a["sm_scale"], D_V, **kw), device
+        )
+        name = "flash_mla" if target == h_q else f"flash_mla_pad{target}"
+        rows.append(_row("flash_mla_sparse_fwd", shape, name, fm_ms, flops, nbytes, note=fm_note))
+    ratio = fm_ms / ours if (fm_ms and ours) else None
+    rows.insert(
+        0, _row("flash_mla_sparse_fwd", shape, "triton", ours, flops, nbytes, {"vs_flash_mla": ratio}, note)
+    )
+    if with_reference:
+        from nsa_backend.reference import flash_mla_sparse_fwd as ref
+
+        ms, note = _safe_ms(lambda: ref(a["q"], a["kv"], a["indices"], a["sm_scale"]), device)
+        rows.append(_row("flash_mla_sparse_fwd", shape, "reference", ms, flops, nbytes, note=note))
+    return rows
+
+
+def bench_decode(
+    B: int, s_q: int, h_q: int, topk: int, device: torch.device, copy_gbps: float | None, with_reference: bool
+) -> list[dict[str, Any]]:
+    from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
+
+    a = decode_inputs(B, s_q, h_q, topk, device)
+    shape = {"B": B, "s_q": s_q, "h_q": h_q, "topk": topk, "kv_format": "fp8_ds_mla", "page_size": PAGE}
+    flops = 2.0 * B * s_q * h_q * topk * (D_QK + D_V)
+    nbytes = B * s_q * topk * 656.0 + a["q"].numel() * 2 + B * s_q * h_q * D_V * 2
+    rows = []
+    ms, note = _safe_ms(
+        lambda: sparse_mla_decode_triton(a["q"], a["kv_cache"], a["indices"], a["sm_scale"]), device
+    )
+    ours = ms
+    fm = _flash_mla()
+    fm_ms = None
+    if fm is not None and device.type == "cuda":
+        target = 64 if h_q <= 64 else 128
+        qp = _pad_heads(a["q"], 2, target)
+        sched, _ = fm.get_mla_metadata()
+        kw = _legacy(fm.flash_mla_with_kvcache)
+
+        def run_fm():
+            return fm.flash_mla_with_kvcache(
+                qp,
+                a["kv_cache"],
+                None,
+                None,
+                D_V,
+                sched,
+                None,
+                softmax_scale=a["sm_scale"],
+                causal=False,
+                is_fp8_kvcache=True,
+                indices=a["indices"],
+                **kw,
+            )
+
+        fm_ms, fm_note = _safe_ms(run_fm, device)
+        name = "flash_mla" if target == h_q else f"flash_mla_pad{target}"
+        g = gbps(nbytes, fm_ms)
+        rows.append(
+            _row(
+                "sparse_mla_decode",
+                shape,
+                name,
+                fm_ms,
+                flops,
+                nbytes,
+                {"of_copy_bw": g / copy_gbps if (g and copy_gbps) else None},
+                note=fm_note,
+            )
+        )
+    g = gbps(nbytes, ours)
+    rows.insert(
+        0,
+        _row(
+            "sparse_mla_decode",
+            shape,
+            "triton",
+            ours,
+            flops,
+            nbytes,
+            {
+                "vs_flash_mla": fm_ms / ours if (fm_ms and ours) else None,
+                "of_copy_bw": g / copy_gbps if (g and copy_gbps) else None,
+            },
+            note,
+        ),
+    )
+    if with_reference:
+        from nsa_backend.reference import sparse_mla_decode as ref
+
+        ms, note = _safe_ms(lambda: ref(a["q"], a["kv_cache"], a["indices"], a["sm_scale"]), device)
+        rows.append(_row("sparse_mla_decode", shape, "reference", ms, flops, nbytes, note=note))
+    return rows
+
+
+def run(quick: bool, limits: dict[str, Any]) -> list[dict[str, Any]]:
+    """Benchmark rows (see the module docstring); ``limits`` gives ``copy_gbps`` for the decode ratio."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    copy = limits.get("copy_gbps")
+    rows: list[dict[str, Any]] = []
+    if device.type != "cuda":
+        # The CPU interpreter: tiny shapes that only exercise the harness.
+        rows += bench_prefill(16, 4, 256, 64, device, True)
+        rows += bench_decode(1, 1, 16, 64, device, copy, True)
+        return rows
+    if quick:
+        for h in (128, 16):
+            rows += bench_prefill(h, 1024, 8192, 2048, device, True)
+        for h in (128, 16):
+            rows += bench_decode(32, 1, h, 2048, device, copy, False)
+        return rows
+    for h in (128, 64, 32, 16):
+        rows += bench_prefill(h, 4096, 32768, 2048, device, False)
+        torch.cuda.empty_cache()
+    for B in (32, 128):
+        for s_q in (1, 2):
+            for h in (128, 64, 16):
+                rows += bench_decode(B, s_q, h, 2048, device, copy, False)
+                torch.cuda.empty_cache()
+    return rows
+
+
+def to_markdown(rows: list[dict[str, Any]], limits: dict[str, Any], command: str) -> str:
+    lines = [
+        f"# sparse_mla benchmark\n\nCommand: `{command}`\n",
+        f"Limits measured in the same run: {json.dumps(limits)}\n",
+        "| op | shape | impl | ms | TFLOP/s | GB/s | ratios | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        shape = (
+            ", ".join(f"{k}={v}" for k, v in r["shape"].items())
+            if isinstance(r["shape"], dict)
+            else r["shape"]
+        )
+
+        def f(v, p=3):
+            return (
+                "" if v is None else (f"{v:.{p}f}" if isinstance(v, float) and math.isfinite(v) else str(v))
+            )
+
+        ratios = ", ".join(f"{k}={f(v, 2)}" for k, v in r["ratios"].items())
+        lines.append(
+            f"| {r['op']} | {shape} | {r['impl']} | {f(r['ms'], 4)} | {f(r['tflops'], 1)} | "
+            f"{f(r['gbps'], 0)} | {ratios} | {r.get('note') or ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from nsa_backend.bench.limits import measure_limits
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None, help="write rows as JSON here (and a .md beside it)")
+    p.add_argument("--command", default=None, help="command line recorded in the output")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    limits = measure_limits(device, args.quick)
+    rows = run(args.quick, limits)
+    command = args.command or " ".join(
+        ["python", "-m", "nsa_backend.bench.sparse_mla", *(argv or sys.argv[1:])]
+    )
+    env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if device == "cuda" else None}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    fm = _flash_mla()
+    env["flash_mla"] = getattr(fm, "__version__", None) if fm is not None else None
+    result = {
+        "family": FAMILY,
+        "command": command,
+        "quick": args.quick,
+        "environment": env,
+        "limits": limits,
+        "rows": rows,
+    }
+    text = json.dumps(result, indent=1)
+    print(to_markdown(rows, limits, command))
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+        with open(args.out.rsplit(".", 1)[0] + ".md", "w") as fh:
+            fh.write(to_markdown(rows, limits, command))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Launch configurations of the sparse-MLA attention kernel (``nsa_backend/kernels/sparse_mla_*.py``).
+
+One program of ``_sparse_mla_fwd_kernel`` holds ``q`` for ``block_h`` heads (``block_h x 576``
+bf16), a pipelined tile of ``block_n`` gathered keys (``block_n x 576`` bf16, plus the raw 656-byte
+rows for the FP8 cache) and an fp32 accumulator of ``block_h x 512``. The tables below are data:
+
+- ``PREFILL_CONFIGS[arch_class][block_h]`` / ``DECODE_CONFIGS[...]`` list candidates, best first;
+  :func:`prefill_config` / :func:`decode_config` return the first whose estimated shared memory (a
+  lower bound) fits ``SHARED_MEMORY_LIMIT`` of the architecture. The choice depends on shapes and the
+  architecture only (deterministic, no autotuning: safe under CUDA-graph capture).
+- The ahead-of-time test compiles every configuration :func:`shipped_configs` can return, for
+  every target architecture, and checks the compiler's shared-memory number.
+- Decode splits the top-k list over programs (``decode_num_splits``): as many splits as fit in one
+  wave of ``PROGRAMS_PER_SM[block_h] * num_sms`` programs, each with at least ``MIN_KEYS_PER_SPLIT``
+  keys. The sm_90 entries are the fastest of an H200 sweep at the benchmark shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, TARGET_ARCHS
+
+BLOCK_H_CHOICES: tuple[int, ...] = (16, 32, 64)
+# Decode split-K planning: programs resident per SM by heads per program (a 64-head program holds
+# about 148 KiB of shared memory on sm_90, so one per SM; H200 sweeps put the best split at one full
+# wave of programs, fewer splits rather than a second partial wave).
+PROGRAMS_PER_SM: dict[int, int] = {16: 2, 32: 2, 64: 1}
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# Merge kernel: heads per program and warps.
+MERGE_BLOCK_H = 16
+MERGE_NUM_WARPS = 4
+
+FALLBACK_SHARED_MEMORY = min(SHARED_MEMORY_LIMIT[a] for a in TARGET_ARCHS)
+# Share of the budget the estimate (a lower bound) may use.
+SHARED_MEMORY_MARGIN = 1.0
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """One launch configuration of ``_sparse_mla_fwd_kernel``."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def shared_bytes_estimate(self, kv_fp8: bool) -> int:
+        """Lower bound: the q tile and one bf16 key tile (plus its raw bytes for the FP8 cache)."""
+        return 1152 * (self.block_h + self.block_n) + (512 * self.block_n if kv_fp8 else 0)
+
+
+def arch_class(arch: int | None) -> str:
+    """``"sm90"`` (Hopper/Blackwell datacenter: wgmma, 227 KiB), ``"sm80"`` (A100-class) or ``"small"``."""
+    if arch is None:
+        return "small"
+    if arch in (90, 100, 103):
+        return "sm90"
+    if arch in (80, 87):
+        return "sm80"
+    return "small"
+
+
+# Shared memory measured by the ahead-of-time compile (bf16 prefill / fp8 decode, Triton 3.9):
+# sm_90 (64, 64, 8, 2) 221 / 190 KiB, (16, 64, 4, 2) 94 / 110 KiB; sm_80 (64, 32, 8, 2) 115 / 119 KiB;
+# sm_120 (64, 16, 8, 2) 94 / 97 KiB, (16, 32, 4, 2) 56 / 64 KiB.
+PREFILL_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
+    "sm90": {
+        64: (AttnConfig(64, 64, 8, 2), AttnConfig(64, 32, 8, 2)),
+        32: (AttnConfig(32, 32, 4, 3),),
+        16: (AttnConfig(16, 64, 4, 2),),
+    },
+    "sm80": {
+        64: (AttnConfig(64, 32, 8, 2),),
+        32: (AttnConfig(32, 32, 4, 2),),
+        16: (AttnConfig(16, 64, 4, 2),),
+    },
+    "small": {
+        64: (AttnConfig(64, 16, 8, 2),),
+        32: (AttnConfig(32, 32, 4, 2),),
+        16: (AttnConfig(16, 32, 4, 2),),
+    },
+}
+
+DECODE_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
+    "sm90": {
+        64: (AttnConfig(64, 64, 8, 2), AttnConfig(64, 32, 8, 2)),
+        32: (AttnConfig(32, 32, 4, 2),),
+        16: (AttnConfig(16, 64, 4, 2),),
+    },
+    "sm80": {
+        64: (AttnConfig(64, 32, 8, 2),),
+        32: (AttnConfig(32, 32, 4, 2),),
+        16: (AttnConfig(16, 64, 4, 2),),
+    },
+    "small": {
+        64: (AttnConfig(64, 16, 8, 2),),
+        32: (AttnConfig(32, 32, 4, 2),),
+        16: (AttnConfig(16, 32, 4, 2),),
+    },
+}
+
+
+def shared_memory_budget(arch: int | None) -> int:
+    if arch is None:
+        return FALLBACK_SHARED_MEMORY
+    return SHARED_MEMORY_LIMIT.get(arch, FALLBACK_SHARED_MEMORY)
+
+
+def _pick(table: dict[str, dict[int, tuple[AttnConfig, ...]]], block_h: int, arch: int | None,
+          kv_fp8: bool) -> AttnConfig:
+    candidates = table[arch_class(arch)][block_h]
+    budget = shared_memory_budget(arch) * SHARED_MEMORY_MARGIN
+    return next((c for c in candidates if c.shared_bytes_estimate(kv_fp8) <= budget), candidates[-1])
+
+
+def prefill_config(block_h: int, arch: int | None) -> AttnConfig:
+    """Configuration of the prefill kernel for ``block_h`` heads per program on ``sm_<arch>``."""
+    return _pick(PREFILL_CONFIGS, block_h, arch, False)
+
+
+def decode_config(block_h: int, arch: int | None, kv_fp8: bool) -> AttnConfig:
+    """Configuration of the decode kernel for ``block_h`` heads per program on ``sm_<arch>``."""
+    return _pick(DECODE_CONFIGS, block_h, arch, kv_fp8)
+
+
+def decode_num_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_sms: int,
+                      block_h: int = 64) -> tuple[int, int]:
+    """``(num_splits, keys_per_split)`` for ``rows`` query rows: a function of the shapes only."""
+    programs = max(1, rows * head_blocks)
+    want = max(1, PROGRAMS_PER_SM.get(block_h, 1) * num_sms // programs)
+    most = max(1, topk // MIN_KEYS_PER_SPLIT)
+    splits = min(want, most, MAX_SPLITS)
+    per = -(-topk // splits)
+    per = -(-per // block_n) * block_n
+    splits = -(-topk // per)
+    return splits, per
+
+
+def shipped_configs(arch: int) -> list[tuple[str, AttnConfig, bool]]:
+    """Every ``(kind, config, kv_fp8)`` the selectors can return on ``sm_<arch>``."""
+    out: list[tuple[str, AttnConfig, bool]] = []
+    for bh in BLOCK_H_CHOICES:
+        item = ("prefill", prefill_config(bh, arch), False)
+        if item not in out:
+            out.append(item)
+        for fp8 in (False, True):
+            item = ("decode", decode_config(bh, arch, fp8), fp8)
+            if item not in out:
+                out.append(item)
+    return out

@@ -1,0 +1,174 @@
+"""Triton sparse MLA decode over a paged KV cache ("fp8_ds_mla" or "bf16"), split-K with an lse merge.
+
+Every query row ``(b, s)`` of ``q [B, s_q, h_q, 576]`` has its own ``topk`` global slots. The
+attention tile kernel (``_sparse_mla_fwd_kernel``, see ``nsa_backend.kernels.sparse_mla_prefill``)
+runs on the grid ``(B * s_q, ceil(h_q / BLOCK_H), num_splits)``: the top-k list of a row is cut into
+``num_splits`` contiguous chunks, each program attends to one chunk for ``BLOCK_H`` heads and writes
+a normalised fp32 partial output and its base-2 lse. ``_sparse_mla_decode_merge_kernel`` then
+combines the splits of a row:
+
+    m = max_s lse_s,  w_s = 2^(lse_s - m),  out = sum_s w_s out_s / sum_s w_s,  lse = m + log2(sum_s w_s)
+
+converts lse to natural log (``+inf`` for a row without a valid slot), applies ``attn_sink`` and
+writes ``out [B, s_q, h_q, 512]`` bf16 and ``lse [B, h_q, s_q]``. With one split the tile kernel
+writes the final outputs itself.
+
+FP8 tokens are dequantised in registers (no dequantised copy of the cache). The number of splits
+and the workspace size are functions of the shapes and the GPU's multiprocessor count only, and
+nothing reads device values on the host, so the call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_backend.configs.sparse_mla import (
+    MERGE_BLOCK_H,
+    MERGE_NUM_WARPS,
+    AttnConfig,
+    decode_config,
+    decode_num_splits,
+)
+from nsa_backend.kernels._arch import device_arch, device_sms
+from nsa_backend.kernels.sparse_mla_prefill import (
+    LOG2E,
+    _sparse_mla_bf16,
+    _sparse_mla_fwd_kernel,
+    block_h_for,
+    fp8_native,
+)
+from nsa_backend.reference import DS_MLA_TOKEN_BYTES
+
+# Multiprocessor count used to plan splits off CUDA (the interpreter).
+FALLBACK_NUM_SMS = 8
+
+
+@triton.heuristics({"HAS_SINK": lambda args: args["sink_ptr"] is not None})
+@triton.jit(do_not_specialize=["h_q", "s_q", "num_splits"])
+def _sparse_mla_decode_merge_kernel(
+    part_o_ptr,  # [R, NS, h_q, D_V] f32
+    part_lse_ptr,  # [R, NS, h_q] f32 (base 2)
+    sink_ptr,
+    out_ptr,  # [B, s_q, h_q, D_V] bf16
+    lse_ptr,  # [B, h_q, s_q] f32
+    h_q, s_q, num_splits,
+    D_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_b = i_r // s_q
+    i_q = i_r % s_q
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < h_q
+    o_d = tl.arange(0, D_V)
+
+    p_lse = part_lse_ptr + i_r * num_splits * h_q + o_h
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for i_s in range(num_splits):
+        b_m = tl.maximum(b_m, tl.load(p_lse + i_s * h_q, mask=m_h, other=float("-inf")))
+    m_empty = b_m == float("-inf")
+    b_m_use = tl.where(m_empty, 0.0, b_m)
+    b_w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
+    p_o = part_o_ptr + (i_r * num_splits * h_q + o_h.to(tl.int64))[:, None] * D_V + o_d[None, :]
+    for i_s in range(num_splits):
+        b_w = tl.math.exp2(tl.load(p_lse + i_s * h_q, mask=m_h, other=float("-inf")) - b_m_use)
+        b_o = tl.load(p_o + i_s * h_q * D_V, mask=m_h[:, None], other=0.0)
+        b_acc += b_w[:, None] * b_o
+        b_w_sum += b_w
+    b_o = b_acc / tl.where(m_empty, 1.0, b_w_sum)[:, None]
+    b_lse2 = b_m_use + tl.math.log2(tl.where(m_empty, 1.0, b_w_sum))
+    b_lse = tl.where(m_empty, float("inf"), b_lse2 * 0.6931471805599453)
+    if HAS_SINK:
+        b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=0.0)
+        b_o = b_o * (1.0 / (1.0 + tl.exp(b_sink - tl.where(m_empty, 0.0, b_lse))))[:, None]
+    p_out = out_ptr + ((i_r * h_q + o_h.to(tl.int64)) * D_V)[:, None] + o_d[None, :]
+    tl.store(p_out, _sparse_mla_bf16(b_o), mask=m_h[:, None])
+    tl.store(lse_ptr + i_b * h_q * s_q + o_h * s_q + i_q, b_lse, mask=m_h)
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the GPU (``FALLBACK_NUM_SMS`` off CUDA)."""
+    return device_sms(device) if device.type == "cuda" else FALLBACK_NUM_SMS
+
+
+def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: torch.device,
+                config: AttnConfig | None = None,
+                num_splits: int | None = None) -> tuple[AttnConfig, int, int]:
+    """``(config, num_splits, keys_per_split)`` for a decode call (shapes and device only)."""
+    arch = device_arch(device)
+    cfg = config or decode_config(block_h_for(h_q), arch, kv_format == "fp8_ds_mla")
+    head_blocks = triton.cdiv(h_q, cfg.block_h)
+    if num_splits is None:
+        splits, per = decode_num_splits(B * s_q, head_blocks, topk, cfg.block_n, num_sms(device), cfg.block_h)
+    else:
+        per = triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n
+        splits = triton.cdiv(topk, per)
+    return cfg, splits, per
+
+
+def sparse_mla_decode_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    kv_format: str = "fp8_ds_mla",
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    config: AttnConfig | None = None,
+    num_splits: int | None = None,
+    native_fp8: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`nsa_backend.sparse_mla_decode` (see the module docstring).
+
+    ``config``, ``num_splits`` and ``native_fp8`` override the heuristic choices (tests, tuning).
+    """
+    B, s_q, h_q, d_qk = q.shape
+    topk = indices.shape[-1]
+    dev = q.device
+    out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(B, h_q, s_q, dtype=torch.float32, device=dev)
+    if B == 0:
+        return out, lse
+    fp8 = kv_format == "fp8_ds_mla"
+    if kv_cache.dim() == 3:
+        kv_cache = kv_cache.unsqueeze(2)
+    num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+    width = DS_MLA_TOKEN_BYTES if fp8 else d_qk
+    cfg, splits, per = decode_plan(B, s_q, h_q, topk, kv_format, dev, config, num_splits)
+    arch = device_arch(dev)
+    R = B * s_q
+    idx = indices.view(R, topk)
+    head_blocks = triton.cdiv(h_q, cfg.block_h)
+    common = dict(
+        D_ROPE=d_qk - d_v, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        KV_FP8=fp8, FP8_NATIVE=fp8_native(arch) if native_fp8 is None else native_fp8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, page, per, s_q,
+            q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), width)
+    if splits == 1:
+        _sparse_mla_fwd_kernel[(R, head_blocks, 1)](
+            q, kv_cache, idx, attn_sink, topk_length, out, lse, None, *args,
+            out.stride(0), out.stride(1), 0, out.stride(2),
+            lse.stride(0), lse.stride(2), 0, lse.stride(1),
+            SPLIT=False, **common,
+        )
+        return out, lse
+    part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
+    part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
+    _sparse_mla_fwd_kernel[(R, head_blocks, splits)](
+        q, kv_cache, idx, None, topk_length, part_o, part_lse, None, *args,
+        s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        SPLIT=True, **common,
+    )
+    _sparse_mla_decode_merge_kernel[(R, triton.cdiv(h_q, MERGE_BLOCK_H))](
+        part_o, part_lse, attn_sink, out, lse, h_q, s_q, splits,
+        D_V=d_v, BLOCK_H=MERGE_BLOCK_H, num_warps=MERGE_NUM_WARPS,
+    )
+    return out, lse

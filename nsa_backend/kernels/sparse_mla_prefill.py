@@ -1,0 +1,271 @@
+"""Triton sparse MLA attention: the shared tile kernel and the prefill launcher.
+
+``_sparse_mla_fwd_kernel`` is the one attention kernel of the family; prefill
+(:func:`flash_mla_sparse_fwd_triton`) and decode (``nsa_backend.kernels.sparse_mla_decode``) launch
+it. One program handles one query row (``q[row]``: ``h_q`` heads sharing one list of ``topk``
+key indices), a block of ``BLOCK_H`` heads and one split of the key list:
+
+- the row's indices are read ``BLOCK_N`` at a time; every index is turned into a key address
+  (``slot // page_size`` pages of ``stride_page``, rows of ``stride_row``), invalid ones (``< 0``,
+  ``>= n_slots``, past ``topk_length``) are masked and never dereferenced;
+- the gathered keys ``K [BLOCK_N, 512 (+ 64 rope)]`` are loaded once and shared by the
+  ``BLOCK_H`` heads: ``S = q_nope K_nope^T + q_rope K_rope^T`` (two MMAs), online softmax in base 2,
+  ``acc += P V`` with ``V = K_nope`` (the first 512 dims);
+- ``KV_FP8`` reads "fp8_ds_mla" tokens (512 e4m3 bytes, four fp32 group scales, 64 bf16 rope
+  values) and dequantises them in registers to bf16, exactly as the reference does (no
+  dequantised copy). ``FP8_NATIVE`` selects Triton's e4m3 type (sm_89+); otherwise the bytes are
+  decoded with integer operations (e4m3 bits shifted into fp16 bits, scaled by 2^8).
+
+Outputs: ``SPLIT=False`` writes the final bf16 ``out``, the natural-log ``lse`` (``+inf`` for a row
+without a valid key) and, when ``HAS_MAX``, ``max_logits``; ``attn_sink`` is applied here.
+``SPLIT=True`` writes a normalised fp32 partial output and its base-2 ``lse`` (``-inf`` when
+empty) for the decode merge kernel.
+
+Tensor layouts (strides in elements of each pointer):
+    q       [R, h_q, d_qk] bf16 (row stride ``stride_q_row``, head stride ``stride_q_head``)
+    idx     [R, topk] int32 (row stride ``stride_idx_row``)
+    kv      bf16 rows of ``d_qk`` values, or uint8 rows of 656 bytes
+    out     row r, split s, head h at ``(r // rows_per_batch) * stride_ob + (r % rows_per_batch) * stride_or
+             + s * stride_os + h * stride_oh``; lse / max likewise with ``stride_l*``
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_backend import envs
+from nsa_backend.configs.sparse_mla import AttnConfig, prefill_config
+from nsa_backend.kernels._arch import device_arch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# The CPU interpreter (Triton 3.9) multiplies bf16 dot operands as raw integers: it gets fp32
+# operands instead, which is the same product (bf16 x bf16 is exact in fp32).
+_INTERPRET = tl.constexpr(envs.triton_interpret())
+
+
+@triton.jit
+def _sparse_mla_bf16(x):
+    """fp32 -> bf16, round to nearest even (the CPU interpreter truncates, so it rounds by hand)."""
+    if _INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _sparse_mla_mma(a, b):
+    """``a @ b`` with bf16 operands and fp32 accumulation."""
+    if _INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+
+@triton.jit
+def _sparse_mla_load_group(kv_ptr, p_key, m_n, G: tl.constexpr, KV_FP8: tl.constexpr,
+                           FP8_NATIVE: tl.constexpr):
+    """Latent dims ``[128 G, 128 G + 128)`` of the keys at element offsets ``p_key`` -> bf16 [BN, 128]."""
+    o_c = tl.arange(0, 128)
+    p_row = kv_ptr + p_key
+    if KV_FP8:
+        b_k8 = tl.load(p_row[:, None] + (G * 128 + o_c[None, :]), mask=m_n[:, None], other=0)
+        # [BN] fp32 scale of group G
+        b_sc = tl.load((p_row + 512).to(tl.pointer_type(tl.float32)) + G, mask=m_n, other=0.0)
+        if FP8_NATIVE:
+            b_kf = b_k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            # e4m3 bits -> fp16 bits (value * 2^-8), exact for every e4m3 value
+            b_u = b_k8.to(tl.uint16)
+            b_kf = (((b_u & 0x80) << 8) | ((b_u & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
+            b_sc = b_sc * 256.0
+        return _sparse_mla_bf16(b_kf * b_sc[:, None])
+    else:
+        return tl.load(p_row[:, None] + (G * 128 + o_c[None, :]), mask=m_n[:, None], other=0.0)
+
+
+@triton.jit
+def _sparse_mla_store_group(out_ptr, o_oh, m_h, b_acc, b_inv, G: tl.constexpr, TO_BF16: tl.constexpr):
+    """Write the normalised accumulator of latent group ``G`` ([BH, 128])."""
+    o_c = tl.arange(0, 128)
+    b_o = b_acc * b_inv[:, None]
+    if TO_BF16:
+        b_o = _sparse_mla_bf16(b_o)
+    tl.store(out_ptr + o_oh[:, None] + (G * 128 + o_c[None, :]), b_o, mask=m_h[:, None])
+
+
+@triton.heuristics({
+    "HAS_SINK": lambda args: args["sink_ptr"] is not None,
+    "HAS_TOPK_LEN": lambda args: args["topk_len_ptr"] is not None,
+    "HAS_MAX": lambda args: args["max_ptr"] is not None,
+})
+@triton.jit(do_not_specialize=["h_q", "topk", "n_slots", "page_size", "keys_per_split", "rows_per_batch",
+                               "stride_idx_row", "stride_lb", "stride_lr", "stride_ls", "stride_lh"])
+def _sparse_mla_fwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, topk_len_ptr,
+    out_ptr, lse_ptr, max_ptr,
+    qk_scale,
+    h_q, topk, n_slots, page_size, keys_per_split, rows_per_batch,
+    stride_q_row, stride_q_head, stride_idx_row,
+    stride_page, stride_row,
+    stride_ob, stride_or, stride_os, stride_oh,
+    stride_lb, stride_lr, stride_ls, stride_lh,
+    D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
+):
+    # The 512 latent dims are handled as four groups of 128 (the fp8_ds_mla scale groups): four
+    # [BH, 128] accumulators and [BN, 128] key tiles keep the register footprint of a program small.
+    i_r = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_s = tl.program_id(2)
+    i_b = i_r // rows_per_batch
+    i_q = i_r % rows_per_batch
+
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < h_q
+    o_c = tl.arange(0, 128)
+    o_r = tl.arange(0, D_ROPE if D_ROPE > 0 else 16)
+
+    p_q = q_ptr + i_r * stride_q_row + o_h.to(tl.int64)[:, None] * stride_q_head
+    # [BH, 128] x 4
+    b_q0 = tl.load(p_q + o_c[None, :], mask=m_h[:, None], other=0.0)
+    b_q1 = tl.load(p_q + 128 + o_c[None, :], mask=m_h[:, None], other=0.0)
+    b_q2 = tl.load(p_q + 256 + o_c[None, :], mask=m_h[:, None], other=0.0)
+    b_q3 = tl.load(p_q + 384 + o_c[None, :], mask=m_h[:, None], other=0.0)
+    if D_ROPE > 0:
+        # [BH, 64]
+        b_qr = tl.load(p_q + 512 + o_r[None, :], mask=m_h[:, None], other=0.0)
+
+    n_end = topk
+    if HAS_TOPK_LEN:
+        n_end = tl.minimum(tl.maximum(tl.load(topk_len_ptr + i_b), 0), topk)
+    n_start = i_s * keys_per_split
+    n_stop = tl.minimum(n_start + keys_per_split, n_end)
+
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    p_idx = idx_ptr + i_r * stride_idx_row
+    for n0 in range(n_start, n_stop, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        b_idx = tl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
+        m_n = (b_idx >= 0) & (b_idx < n_slots)
+        b_slot = tl.where(m_n, b_idx, 0).to(tl.int64)
+        p_key = (b_slot // page_size) * stride_page + (b_slot % page_size) * stride_row
+        # [BN, 128] x 4
+        b_k0 = _sparse_mla_load_group(kv_ptr, p_key, m_n, 0, KV_FP8, FP8_NATIVE)
+        b_k1 = _sparse_mla_load_group(kv_ptr, p_key, m_n, 1, KV_FP8, FP8_NATIVE)
+        b_k2 = _sparse_mla_load_group(kv_ptr, p_key, m_n, 2, KV_FP8, FP8_NATIVE)
+        b_k3 = _sparse_mla_load_group(kv_ptr, p_key, m_n, 3, KV_FP8, FP8_NATIVE)
+        # [BH, BN]
+        b_s = _sparse_mla_mma(b_q0, tl.trans(b_k0))
+        b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
+        b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
+        b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
+        if D_ROPE > 0:
+            if KV_FP8:
+                p_rope = (kv_ptr + p_key + 528).to(tl.pointer_type(tl.bfloat16))
+            else:
+                p_rope = kv_ptr + p_key + 512
+            # [BN, 64]
+            b_kr = tl.load(p_rope[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0)
+            b_s += _sparse_mla_mma(b_qr, tl.trans(b_kr))
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.math.exp2(b_s - b_m_use[:, None])
+        b_alpha = tl.math.exp2(b_m - b_m_use)
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_p16 = _sparse_mla_bf16(b_p)
+        b_acc0 = b_acc0 * b_alpha[:, None] + _sparse_mla_mma(b_p16, b_k0)
+        b_acc1 = b_acc1 * b_alpha[:, None] + _sparse_mla_mma(b_p16, b_k1)
+        b_acc2 = b_acc2 * b_alpha[:, None] + _sparse_mla_mma(b_p16, b_k2)
+        b_acc3 = b_acc3 * b_alpha[:, None] + _sparse_mla_mma(b_p16, b_k3)
+        b_m = b_m_new
+
+    m_empty = b_l == 0.0
+    b_inv = 1.0 / tl.where(m_empty, 1.0, b_l)
+    # base-2 lse
+    b_lse2 = tl.where(m_empty, float("-inf"), b_m + tl.math.log2(tl.where(m_empty, 1.0, b_l)))
+    o_oh = (i_b * stride_ob + i_q * stride_or + i_s * stride_os + o_h.to(tl.int64) * stride_oh)
+    o_lh = (i_b * stride_lb + i_q * stride_lr + i_s * stride_ls + o_h.to(tl.int64) * stride_lh)
+    if SPLIT:
+        tl.store(lse_ptr + o_lh, b_lse2, mask=m_h)
+    else:
+        b_lse = tl.where(m_empty, float("inf"), b_lse2 * 0.6931471805599453)
+        if HAS_SINK:
+            b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=0.0)
+            # exp(lse) / (exp(lse) + exp(sink)); 0 for empty rows (lse = +inf, out already 0)
+            b_inv = b_inv / (1.0 + tl.exp(b_sink - tl.where(m_empty, 0.0, b_lse)))
+        tl.store(lse_ptr + o_lh, b_lse, mask=m_h)
+        if HAS_MAX:
+            tl.store(max_ptr + o_lh, b_m * 0.6931471805599453, mask=m_h)
+    _sparse_mla_store_group(out_ptr, o_oh, m_h, b_acc0, b_inv, 0, not SPLIT)
+    _sparse_mla_store_group(out_ptr, o_oh, m_h, b_acc1, b_inv, 1, not SPLIT)
+    _sparse_mla_store_group(out_ptr, o_oh, m_h, b_acc2, b_inv, 2, not SPLIT)
+    _sparse_mla_store_group(out_ptr, o_oh, m_h, b_acc3, b_inv, 3, not SPLIT)
+
+
+def fp8_native(arch: int | None) -> bool:
+    """Whether kernels use Triton's e4m3 type on ``sm_<arch>`` (``None``: the interpreter, yes)."""
+    from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH
+
+    return arch is None or arch >= FP8_NATIVE_MIN_ARCH
+
+
+def block_h_for(h_q: int) -> int:
+    """Heads per program: the next power of two of ``h_q`` in [16, 64]."""
+    return min(64, max(16, triton.next_power_of_2(h_q)))
+
+
+def flash_mla_sparse_fwd_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    config: AttnConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton :func:`nsa_backend.flash_mla_sparse_fwd` (see the module docstring for the tiling)."""
+    s_q, h_q, d_qk = q.shape
+    s_kv = kv.shape[0]
+    topk = indices.shape[-1]
+    out = torch.empty(s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    if s_q == 0:
+        return out, max_logits, lse
+    arch = device_arch(q.device)
+    block_h = block_h_for(h_q)
+    cfg = config or prefill_config(block_h, arch)
+    kv2 = kv.view(s_kv, d_qk)
+    idx = indices.view(s_q, topk)
+    grid = (s_q, triton.cdiv(h_q, cfg.block_h), 1)
+    _sparse_mla_fwd_kernel[grid](
+        q, kv2, idx, attn_sink, topk_length,
+        out, lse, max_logits,
+        sm_scale * LOG2E,
+        h_q, topk, s_kv, max(s_kv, 1), topk, 1,
+        q.stride(0), q.stride(1), idx.stride(0),
+        0, kv2.stride(0),
+        out.stride(0), 0, 0, out.stride(1),
+        lse.stride(0), 0, 0, lse.stride(1),
+        D_ROPE=d_qk - d_v,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        KV_FP8=False, FP8_NATIVE=fp8_native(arch), SPLIT=False,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, max_logits, lse

@@ -1,0 +1,551 @@
+"""Triton sparse MLA prefill and decode against ``nsa_backend.reference``.
+
+CPU (interpreter): tiny shapes covering d_qk 576/512, head counts that are not powers of two,
+invalid indices (-1, >= s_kv), attn_sink, topk_length, empty rows, both FP8 scale formats, the
+integer e4m3 decode used on sm_80/86, split-K with merge, and spaced cache pages.
+GPU: a seeded fuzz of 300 cases per op plus CUDA-graph capture of decode.
+AOT: every kernel x every shipped configuration compiled for sm_80 ... sm_121 within shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from nsa_backend import reference as ref
+
+triton = pytest.importorskip("triton")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------------------------------
+# Case builders (shared by the CPU tests and the GPU fuzz)
+# ------------------------------------------------------------------------------------------------
+
+
+def _invalid_mix(idx: torch.Tensor, limit: int, frac: float, gen: torch.Generator) -> torch.Tensor:
+    """Replace a fraction of ``idx`` by -1, values >= limit and other negatives."""
+    r = torch.rand(idx.shape, generator=gen)
+    kind = torch.randint(0, 3, idx.shape, generator=gen)
+    bad = torch.where(
+        kind == 0,
+        torch.full_like(idx, -1),
+        torch.where(
+            kind == 1,
+            limit + torch.randint(0, 1000, idx.shape, generator=gen),
+            -torch.randint(2, 1 << 30, idx.shape, generator=gen),
+        ),
+    ).to(idx.dtype)
+    return torch.where(r < frac, bad, idx)
+
+
+def prefill_case(
+    s_q: int,
+    h_q: int,
+    d_qk: int,
+    s_kv: int,
+    topk: int,
+    frac_invalid: float,
+    sink: bool,
+    topk_len: bool,
+    seed: int,
+    device: str = DEV,
+) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, generator=g).bfloat16()
+    kv = torch.randn(s_kv, 1, d_qk, generator=g).bfloat16()
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), generator=g, dtype=torch.int32)
+    idx = _invalid_mix(idx, s_kv, frac_invalid, g)
+    if s_q > 1:
+        idx[-1] = -1  # one row without a valid key
+    args = dict(
+        q=q,
+        kv=kv,
+        indices=idx,
+        sm_scale=d_qk**-0.5,
+        d_v=512,
+        attn_sink=torch.randn(h_q, generator=g) * 2 if sink else None,
+        topk_length=torch.randint(0, topk + 4, (s_q,), generator=g, dtype=torch.int32) if topk_len else None,
+    )
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def decode_case(
+    B: int,
+    s_q: int,
+    h_q: int,
+    topk: int,
+    kv_format: str,
+    scale_format: str,
+    page: int,
+    num_blocks: int,
+    frac_invalid: float,
+    sink: bool,
+    topk_len: bool,
+    pad_pages: bool,
+    seed: int,
+    d_qk: int = 576,
+    device: str = DEV,
+) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n = num_blocks * page
+    kv = torch.randn(n, d_qk, generator=g).bfloat16()
+    if kv_format == "fp8_ds_mla":
+        kv[: n // 3] *= 50.0  # wide dynamic range across tokens
+        rows = ref.pack_fp8_ds_mla(kv, scale_format).view(num_blocks, page, 656)
+    else:
+        rows = kv.view(num_blocks, page, 1, d_qk)
+    if pad_pages:  # pages spaced apart: stride(0) larger than one page
+        big = torch.zeros(num_blocks, page + 3, *rows.shape[2:], dtype=rows.dtype)
+        big[:, :page] = rows
+        rows = big[:, :page]
+    q = torch.randn(B, s_q, h_q, d_qk, generator=g).bfloat16()
+    idx = torch.randint(0, n, (B, s_q, topk), generator=g, dtype=torch.int32)
+    idx = _invalid_mix(idx, n, frac_invalid, g)
+    if B * s_q > 1:
+        idx[-1, -1] = -1
+    args = dict(
+        q=q,
+        kv_cache=rows,
+        indices=idx,
+        sm_scale=d_qk**-0.5,
+        d_v=512,
+        kv_format=kv_format,
+        attn_sink=torch.randn(h_q, generator=g) * 2 if sink else None,
+        topk_length=torch.randint(0, topk + 4, (B,), generator=g, dtype=torch.int32) if topk_len else None,
+    )
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def _fp32_reference_prefill(a: dict) -> tuple[torch.Tensor, ...]:
+    """fp32 reference outputs (before the bf16 cast of ``out``) and the probability-weighted ``|V|``."""
+    s_kv = a["kv"].shape[0]
+    idx = a["indices"][:, 0, :].long()
+    valid = ref._topk_valid(idx, s_kv, a["topk_length"])
+    k_rows = a["kv"][:, 0, :].float()[idx.clamp(0, s_kv - 1)]
+    out, mx, lse = ref._sparse_attention(a["q"], k_rows, valid, a["sm_scale"], a["d_v"], a["attn_sink"])
+    return out, mx, lse, _abs_weighted(a["q"], k_rows, valid, a["sm_scale"], a["d_v"])
+
+
+def _fp32_reference_decode(a: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 ``out [B*s_q, h_q, d_v]``, ``lse [B, h_q, s_q]`` of the reference (no bf16 cast of ``out``) and
+    the probability-weighted ``|V|`` of every output."""
+    B, s_q, h_q, d_qk = a["q"].shape
+    cache = a["kv_cache"]
+    n = cache.shape[0] * cache.shape[1]
+    idx = a["indices"].reshape(B * s_q, -1).long()
+    tl_rows = a["topk_length"].long().repeat_interleave(s_q) if a["topk_length"] is not None else None
+    valid = ref._topk_valid(idx, n, tl_rows)
+    k_rows = ref._gather_cache_rows(cache, a["kv_format"], idx.clamp(0, n - 1), d_qk)
+    qr = a["q"].reshape(B * s_q, h_q, d_qk)
+    out, _, lse = ref._sparse_attention(qr, k_rows, valid, a["sm_scale"], a["d_v"], a["attn_sink"])
+    return (
+        out,
+        lse.view(B, s_q, h_q).transpose(1, 2),
+        _abs_weighted(qr, k_rows, valid, a["sm_scale"], a["d_v"]),
+    )
+
+
+def _abs_weighted(
+    q: torch.Tensor, k_rows: torch.Tensor, valid: torch.Tensor, sm_scale: float, d_v: int
+) -> torch.Tensor:
+    """sum_n softmax(P)_n |V_n| per row and head: the scale of the rounding of bf16 probabilities."""
+    p = torch.einsum("thd,tkd->thk", q.float(), k_rows) * sm_scale
+    p = p.masked_fill(~valid[:, None, :], float("-inf"))
+    w = torch.softmax(p, dim=-1).nan_to_num(0.0)
+    return torch.einsum("thk,tkd->thd", w, k_rows[..., :d_v].abs())
+
+
+def _check_out(
+    name: str, out: torch.Tensor, want: torch.Tensor, case: str, abs_weighted: torch.Tensor | None = None
+) -> float:
+    """bf16 tolerance against the fp32 reference: |d| <= 2^-7 (|want| + 1 + sum_n p_n |v_n|): about one
+    bf16 ulp of the result plus the rounding of the bf16 probabilities fed to the P @ V product."""
+    assert out.dtype == torch.bfloat16, case
+    assert not torch.isnan(out).any(), f"{name}: NaN, {case}"
+    err = (out.float() - want.float()).abs()
+    bound = (want.float().abs() + 1) * 2**-7
+    if abs_weighted is not None:
+        bound = bound + abs_weighted * 2**-7
+    worst = (err - bound).max().item() if err.numel() else -1.0
+    assert worst <= 0, f"{name}: max abs err {err.max().item():.3e} over bound, {case}"
+    return err.max().item() if err.numel() else 0.0
+
+
+def _check_stat(name: str, got: torch.Tensor, want: torch.Tensor, case: str, tol: float = 2e-4) -> None:
+    """Same infinities; finite values within ``tol`` (absolute + relative)."""
+    inf_g, inf_w = torch.isinf(got), torch.isinf(want)
+    assert torch.equal(inf_g, inf_w) and torch.equal(got[inf_g], want[inf_w]), f"{name}: inf pattern, {case}"
+    fin = ~inf_w
+    if fin.any():
+        d = (got[fin] - want[fin]).abs().max().item()
+        scale = want[fin].abs().max().item()
+        assert d <= tol * (1 + scale), f"{name}: max err {d:.3e}, {case}"
+
+
+def run_prefill_case(a: dict, case: str) -> float:
+    from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
+
+    out, mx, lse = flash_mla_sparse_fwd_triton(**a)
+    r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
+    err = _check_out("out", out, r_out, case, r_abs)
+    _check_stat("lse", lse, r_lse, case)
+    _check_stat("max_logits", mx, r_mx, case)
+    return err
+
+
+def run_decode_case(a: dict, case: str, **kw) -> float:
+    from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
+
+    out, lse = sparse_mla_decode_triton(**a, **kw)
+    r_out, r_lse, r_abs = _fp32_reference_decode(a)
+    err = _check_out("out", out.view(r_out.shape), r_out, case, r_abs)
+    _check_stat("lse", lse, r_lse, case)
+    return err
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU interpreter tests
+# ------------------------------------------------------------------------------------------------
+
+PREFILL_CPU = [
+    pytest.param(
+        dict(s_q=3, h_q=3, d_qk=576, s_kv=40, topk=40, frac_invalid=0.3, sink=False, topk_len=False),
+        id="d576-h3-invalid",
+    ),
+    pytest.param(
+        dict(s_q=2, h_q=20, d_qk=512, s_kv=33, topk=24, frac_invalid=0.2, sink=True, topk_len=True),
+        id="d512-h20-sink-topklen",
+    ),
+    pytest.param(
+        dict(s_q=2, h_q=1, d_qk=576, s_kv=9, topk=17, frac_invalid=0.0, sink=True, topk_len=False),
+        id="d576-h1-sink",
+    ),
+]
+
+
+@pytest.mark.parametrize("kw", PREFILL_CPU)
+def test_prefill_matches_reference(kw):
+    a = prefill_case(seed=1, **kw)
+    run_prefill_case(a, str(kw))
+
+
+def test_prefill_empty_rows():
+    from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
+
+    a = prefill_case(2, 2, 576, 8, 16, 0.0, True, False, seed=3)
+    a["indices"][:] = -1
+    a["indices"][1, 0, 3] = 8  # == s_kv: invalid too
+    out, mx, lse = flash_mla_sparse_fwd_triton(**a)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isposinf(lse).all() and torch.isneginf(mx).all()
+
+
+DECODE_CPU = [
+    pytest.param(
+        dict(
+            B=2,
+            s_q=2,
+            h_q=3,
+            topk=40,
+            kv_format="fp8_ds_mla",
+            scale_format="pow2",
+            page=16,
+            num_blocks=3,
+            frac_invalid=0.3,
+            sink=False,
+            topk_len=False,
+            pad_pages=False,
+        ),
+        dict(num_splits=1),
+        id="fp8-pow2-mtp2-nosplit",
+    ),
+    pytest.param(
+        dict(
+            B=2,
+            s_q=3,
+            h_q=5,
+            topk=48,
+            kv_format="fp8_ds_mla",
+            scale_format="arbitrary",
+            page=16,
+            num_blocks=4,
+            frac_invalid=0.2,
+            sink=True,
+            topk_len=True,
+            pad_pages=True,
+        ),
+        dict(num_splits=3),
+        id="fp8-arbitrary-mtp3-split3-sink-topklen-padded",
+    ),
+    pytest.param(
+        dict(
+            B=1,
+            s_q=1,
+            h_q=17,
+            topk=33,
+            kv_format="fp8_ds_mla",
+            scale_format="arbitrary",
+            page=8,
+            num_blocks=5,
+            frac_invalid=0.1,
+            sink=True,
+            topk_len=False,
+            pad_pages=False,
+        ),
+        dict(num_splits=2, native_fp8=False),
+        id="fp8-integer-decode-h17-split2",
+    ),
+    pytest.param(
+        dict(
+            B=2,
+            s_q=1,
+            h_q=2,
+            topk=24,
+            kv_format="bf16",
+            scale_format="pow2",
+            page=16,
+            num_blocks=2,
+            frac_invalid=0.3,
+            sink=True,
+            topk_len=True,
+            pad_pages=True,
+        ),
+        dict(num_splits=2),
+        id="bf16-split2-padded",
+    ),
+]
+
+
+@pytest.mark.parametrize("kw, launch", DECODE_CPU)
+def test_decode_matches_reference(kw, launch):
+    from nsa_backend.configs.sparse_mla import AttnConfig
+
+    a = decode_case(seed=2, **kw)
+    run_decode_case(a, str(kw), config=AttnConfig(16, 16, 4, 1), **launch)
+
+
+def test_decode_plan_is_shape_only():
+    from nsa_backend.kernels.sparse_mla_decode import decode_plan
+
+    dev = torch.device("cpu")
+    cfg, splits, per = decode_plan(32, 1, 128, 2048, "fp8_ds_mla", dev)
+    assert splits * per >= 2048 and per % cfg.block_n == 0
+    assert decode_plan(32, 1, 128, 2048, "fp8_ds_mla", dev) == (cfg, splits, per)
+    assert decode_plan(1, 1, 16, 16, "bf16", dev)[1] == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Ahead-of-time compile for every target architecture
+# ------------------------------------------------------------------------------------------------
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from concurrent.futures import ProcessPoolExecutor
+
+    # Runtime launches specialise pointers and the listed strides as multiples of 16 (vectorised and
+    # asynchronous copies, hence more shared memory): compile with the same attributes.
+    DIV16 = ("q_ptr kv_ptr idx_ptr sink_ptr topk_len_ptr out_ptr lse_ptr max_ptr stride_q_row stride_q_head "
+             "stride_page stride_row stride_ob stride_or stride_os stride_oh part_o_ptr part_lse_ptr").split()
+
+    def compile_div16(kernel, sig, ce, arch, num_warps, num_stages):
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
+        names = kernel.arg_names
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV16 if n in sig and sig[n] != "constexpr"}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=ce, attrs=attrs)
+        c = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": num_warps, "num_stages": num_stages})
+        shared = int(c.metadata.shared)
+        return shared, shared <= SHARED_MEMORY_LIMIT[arch]
+
+    def job(item):
+        arch, kind, cfg, fp8, native = item
+        from nsa_backend.kernels.sparse_mla_prefill import _sparse_mla_fwd_kernel
+        from nsa_backend.kernels.sparse_mla_decode import _sparse_mla_decode_merge_kernel
+        if kind == "merge":
+            sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+                   "lse_ptr": "*fp32", "h_q": "i32", "s_q": "i32", "num_splits": "i32"}
+            ce = {"D_V": 512, "BLOCK_H": cfg[0], "HAS_SINK": True}
+            sig.update({k: "constexpr" for k in ce})
+            return [arch, kind, cfg, fp8, native, *compile_div16(_sparse_mla_decode_merge_kernel.fn, sig, ce, arch,
+                                                                  cfg[1], 1)]
+        split = kind == "decode"
+        sig = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
+               "topk_len_ptr": "*i32", "out_ptr": "*fp32" if split else "*bf16", "lse_ptr": "*fp32",
+               "max_ptr": "*fp32", "qk_scale": "fp32"}
+        for n in ("h_q topk n_slots page_size keys_per_split rows_per_batch stride_q_row stride_q_head "
+                  "stride_idx_row stride_page stride_row stride_ob stride_or stride_os stride_oh stride_lb "
+                  "stride_lr stride_ls stride_lh").split():
+            sig[n] = "i32"
+        ce = dict(D_ROPE=64, BLOCK_H=cfg[0], BLOCK_N=cfg[1], KV_FP8=fp8, FP8_NATIVE=native,
+                  SPLIT=split, HAS_SINK=True, HAS_TOPK_LEN=True, HAS_MAX=not split)
+        sig.update({k: "constexpr" for k in ce})
+        return [arch, kind, cfg, fp8, native, *compile_div16(_sparse_mla_fwd_kernel.fn, sig, ce, arch, cfg[2],
+                                                              cfg[3])]
+
+    if __name__ == "__main__":
+        from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS, shipped_configs
+        from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH
+        archs = [int(a) for a in sys.argv[1].split(",")]
+        items = []
+        for arch in archs:
+            for kind, c, fp8 in shipped_configs(arch):
+                native = arch >= FP8_NATIVE_MIN_ARCH
+                items.append((arch, kind, (c.block_h, c.block_n, c.num_warps, c.num_stages), fp8, native))
+            items.append((arch, "merge", (MERGE_BLOCK_H, MERGE_NUM_WARPS), False, False))
+        with ProcessPoolExecutor(int(sys.argv[2])) as ex:
+            print(json.dumps(list(ex.map(job, items))))
+""")
+
+
+def _aot(archs: list[int]) -> list:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    res = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT, ",".join(map(str, archs)), str(os.cpu_count() or 2)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_aot_all_archs_fit_shared_memory():
+    from nsa_backend.kernels.aot import TARGET_ARCHS
+
+    rows = _aot(list(TARGET_ARCHS))
+    bad = [r for r in rows if not r[-1]]
+    assert not bad, f"over the shared-memory limit: {bad}"
+    assert {r[0] for r in rows} == set(TARGET_ARCHS)
+
+
+def test_aot_smallest_budget_fits():
+    """sm_120 (99 KiB of shared memory): every shipped configuration compiles and fits."""
+    rows = _aot([120])
+    bad = [r for r in rows if not r[-1]]
+    assert not bad, f"over the shared-memory limit: {bad}"
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU fuzz
+# ------------------------------------------------------------------------------------------------
+
+HEADS = (1, 16, 24, 64, 128)
+
+
+def prefill_fuzz_cases(n: int, seed: int = 0) -> list[dict]:
+    rnd = random.Random(seed)
+    cases = []
+    for i in range(n):
+        topk = rnd.choice([16, 64, 100, 512, 1024, 2048, 2048, 8192 if i % 25 == 0 else 640])
+        flags = rnd.random() < 0.5
+        cases.append(
+            dict(
+                s_q=rnd.randint(1, 4),
+                h_q=rnd.choice(HEADS),
+                d_qk=rnd.choice([576, 576, 512]),
+                s_kv=rnd.randint(1, 4096),
+                topk=topk,
+                frac_invalid=rnd.choice([0.0, 0.1, 0.5, 0.95]),
+                sink=flags,
+                topk_len=flags,
+                seed=i,
+            )
+        )
+    return cases
+
+
+def decode_fuzz_cases(n: int, seed: int = 0) -> list[dict]:
+    rnd = random.Random(seed)
+    cases = []
+    for i in range(n):
+        flags = rnd.random() < 0.5
+        fmt = rnd.choice(["fp8_ds_mla", "fp8_ds_mla", "bf16"])
+        page = rnd.choice([64, 64, 32])
+        cases.append(
+            dict(
+                B=rnd.randint(1, 4),
+                s_q=rnd.randint(1, 4),
+                h_q=rnd.choice(HEADS),
+                topk=rnd.choice([64, 128, 500, 1024, 2048]),
+                kv_format=fmt,
+                scale_format=rnd.choice(["pow2", "arbitrary"]),
+                page=page,
+                num_blocks=rnd.randint(1, 40),
+                frac_invalid=rnd.choice([0.0, 0.1, 0.5, 0.95]),
+                sink=flags,
+                topk_len=flags,
+                pad_pages=rnd.random() < 0.3,
+                seed=i,
+            )
+        )
+    return cases
+
+
+@pytest.mark.gpu
+def test_prefill_gpu_fuzz():
+    errs = [run_prefill_case(prefill_case(**c), str(c)) for c in prefill_fuzz_cases(300)]
+    print(f"prefill fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
+
+
+@pytest.mark.gpu
+def test_decode_gpu_fuzz():
+    rnd = random.Random(1)
+    errs = []
+    for c in decode_fuzz_cases(300):
+        launch = {"num_splits": rnd.choice([None, None, 1])}
+        errs.append(run_decode_case(decode_case(**c), str(c) + str(launch), **launch))
+    print(f"decode fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
+
+
+@pytest.mark.gpu
+def test_decode_integer_fp8_path_gpu():
+    for i, h in enumerate(HEADS):
+        c = dict(
+            B=2,
+            s_q=2,
+            h_q=h,
+            topk=512,
+            kv_format="fp8_ds_mla",
+            scale_format="arbitrary",
+            page=64,
+            num_blocks=20,
+            frac_invalid=0.1,
+            sink=True,
+            topk_len=True,
+            pad_pages=False,
+            seed=100 + i,
+        )
+        run_decode_case(decode_case(**c), str(c), native_fp8=False)
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph_capture():
+    from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
+
+    a = decode_case(4, 2, 16, 2048, "fp8_ds_mla", "pow2", 64, 64, 0.1, True, True, False, seed=7)
+    sparse_mla_decode_triton(**a)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        g_out, g_lse = sparse_mla_decode_triton(**a)
+    a["q"].copy_(torch.randn_like(a["q"]))
+    g.replay()
+    torch.cuda.synchronize()
+    want_out, want_lse = sparse_mla_decode_triton(**a)
+    assert torch.equal(g_out, want_out) and torch.equal(g_lse, want_lse)
