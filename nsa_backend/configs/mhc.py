@@ -24,7 +24,7 @@ BLOCK_N_BUCKETS: tuple[int, ...] = (16, 32, 64, 128)
 # block_m used for small M, smallest first (tl.dot needs at least 16 rows; 16 serves decode).
 SMALL_BLOCK_M: tuple[int, ...] = (16, 64)
 
-# Split-K planning (fitted to the H200 sweep in bench/results/h200/mhc.json): programs run in waves
+# Split-K planning (fitted to the H200 sweep in bench/results/h200/tuning/mhc.json): programs run in waves
 # of PROGRAMS_PER_SM per SM, a chunk reads at least MIN_CHUNK_K columns, and starting a program
 # costs about as much as reading PROGRAM_OVERHEAD_K more columns.
 PROGRAMS_PER_SM = 2
