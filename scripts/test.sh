@@ -4,9 +4,13 @@
 #      (Triton kernels run in the CPU interpreter when there is no GPU; GPU tests skip);
 #   2. the SGLang integration and routing tests inside an environment with the real sglang release
 #      (routing is checked against SGLang's own validators and the native packages it brings);
-#   3. the vLLM integration and routing tests inside an environment with the real vllm release.
+#   3. the vLLM integration and routing tests inside an environment with the real vllm release;
+#   4. the core tests again with the oldest supported torch and triton (torch 2.8, triton 3.4), less
+#      the ahead-of-time compile checks (triton 3.4's ptxas predates sm_121), the benchmark harness
+#      and the packaging tests (they need the tools of the core environment).
 # Environments (requirements in scripts/requirements/) are cached under $NSA_BACKEND_CACHE (default
-# ~/.cache/nsa-backend) and created when missing. Options: --core-only skips 2 and 3. Extra arguments after -- go to every pytest call.
+# ~/.cache/nsa-backend) and created when missing. Options: --core-only skips 2 to 4. Extra arguments
+# after -- go to every pytest call.
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -59,6 +63,16 @@ if [ "$core_only" = 0 ]; then
             --junitxml="$reports/vllm.xml" "${pytest_extra[@]}" || status=1
     else
         echo "could not create the vLLM environment" >&2; status=1
+    fi
+fi
+
+if [ "$core_only" = 0 ]; then
+    stage "oldest supported versions (torch 2.8, triton 3.4)"
+    if min_py="$(scripts/venv.sh min | tail -n 1)"; then
+        "$min_py" -m pytest tests -q -p no:cacheprovider -k "not aot" --ignore=tests/bench \
+            --ignore=tests/test_packaging.py --junitxml="$reports/min-versions.xml" "${pytest_extra[@]}" || status=1
+    else
+        echo "could not create the minimum-versions environment" >&2; status=1
     fi
 fi
 
