@@ -30,6 +30,19 @@ def _check_common(h_q: int, d_qk: int, d_v: int, topk: int) -> None:
     check_int(topk, "indices.shape[-1] (topk)", min_value=1)
 
 
+def _check_sink_and_length(attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None, length_dim: str,
+                           dims: dict[str, int], device: torch.device
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Checked, contiguous ``attn_sink [h_q] float32`` and ``topk_length [length_dim] int32`` (``None`` kept)."""
+    if attn_sink is not None:
+        check_tensor(attn_sink, "attn_sink", dtype=torch.float32, shape=("h_q",), dims=dims, device=device)
+        attn_sink = attn_sink.contiguous()
+    if topk_length is not None:
+        check_tensor(topk_length, "topk_length", dtype=torch.int32, shape=(length_dim,), dims=dims, device=device)
+        topk_length = topk_length.contiguous()
+    return attn_sink, topk_length
+
+
 @custom_op("nsa_backend::flash_mla_sparse_fwd", mutates_args=())
 def _sparse_fwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
                    attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
@@ -102,12 +115,7 @@ def flash_mla_sparse_fwd(
     check_tensor(indices, "indices", shape=("s_q", 1, "topk"), dims=dims)
     check_float(sm_scale, "sm_scale", positive=True)
     _check_common(dims["h_q"], dims["d_qk"], d_v, dims["topk"])
-    if attn_sink is not None:
-        check_tensor(attn_sink, "attn_sink", dtype=torch.float32, shape=("h_q",), dims=dims, device=dev)
-        attn_sink = attn_sink.contiguous()
-    if topk_length is not None:
-        check_tensor(topk_length, "topk_length", dtype=torch.int32, shape=("s_q",), dims=dims, device=dev)
-        topk_length = topk_length.contiguous()
+    attn_sink, topk_length = _check_sink_and_length(attn_sink, topk_length, "s_q", dims, dev)
     name = resolve_impl("flash_mla_sparse_fwd", impl, {"device": dev, "num_heads": dims["h_q"], "d_qk": dims["d_qk"],
                                                        "topk": dims["topk"]})
     return _sparse_fwd_op(q.contiguous(), kv.contiguous(), indices.contiguous(), float(sm_scale), d_v, attn_sink,
@@ -204,12 +212,7 @@ def sparse_mla_decode(
     check_tensor(indices, "indices", dtype=torch.int32, shape=("B", "s_q", "topk"), dims=dims, device=dev)
     check_float(sm_scale, "sm_scale", positive=True)
     _check_common(dims["h_q"], dims["d_qk"], d_v, dims["topk"])
-    if attn_sink is not None:
-        check_tensor(attn_sink, "attn_sink", dtype=torch.float32, shape=("h_q",), dims=dims, device=dev)
-        attn_sink = attn_sink.contiguous()
-    if topk_length is not None:
-        check_tensor(topk_length, "topk_length", dtype=torch.int32, shape=("B",), dims=dims, device=dev)
-        topk_length = topk_length.contiguous()
+    attn_sink, topk_length = _check_sink_and_length(attn_sink, topk_length, "B", dims, dev)
     name = resolve_impl("sparse_mla_decode", impl, {
         "device": dev, "num_heads": dims["h_q"], "d_qk": dims["d_qk"], "topk": dims["topk"], "s_q": dims["s_q"],
         "kv_format": kv_format, "page_size": kv_cache.shape[1]})

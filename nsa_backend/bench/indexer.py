@@ -32,9 +32,27 @@ WARMUP_MS, REP_MS = 10.0, 40.0
 
 
 def _row(op: str, shape: dict[str, Any], impl: str, ms: float | None, flops: float | None = None,
-         nbytes: float | None = None, **ratios: float | None) -> dict[str, Any]:
-    return {"family": FAMILY, "op": op, "shape": shape, "impl": impl, "ms": ms, "tflops": tflops(flops, ms),
-            "gbps": gbps(nbytes, ms), "ratios": {k: v for k, v in ratios.items() if v is not None}}
+         nbytes: float | None = None, *, limit: list[str] | None = None, note: str | None = None,
+         **ratios: float | None) -> dict[str, Any]:
+    """A result row; ``limit`` (the measured limit the row is compared with) and ``note`` only when given."""
+    row = {"family": FAMILY, "op": op, "shape": shape, "impl": impl, "ms": ms, "tflops": tflops(flops, ms),
+           "gbps": gbps(nbytes, ms), "ratios": {k: v for k, v in ratios.items() if v is not None}}
+    if limit:
+        row["limit"] = limit
+    if note:
+        row["note"] = note
+    return row
+
+
+def _baseline_rows(op: str, shape: dict[str, Any], baselines: dict[str, Any], triton_ms: float | None,
+                   flops: float | None, nbytes: float | None) -> list[dict[str, Any]]:
+    """One row per baseline ``{impl: fn}``, with ``triton_speedup`` = baseline ms / ``triton_ms``."""
+    rows = []
+    for impl, fn in baselines.items():
+        b_ms, b_note = _time(fn)
+        rows.append(_row(op, shape, impl, b_ms, flops, nbytes, note=b_note,
+                         triton_speedup=(b_ms / triton_ms) if (b_ms and triton_ms) else None))
+    return rows
 
 
 def _time(fn, graph: bool = False) -> tuple[float | None, str | None]:
@@ -125,24 +143,14 @@ def _ragged_rows(S: int, N: int, H: int, D: int, fp8_rate: float | None, dg) -> 
     flops = 2.0 * H * D * float((ke - ks).clamp(min=0).sum())
     nbytes = S * H * D + N * (D + 4) + S * H * 4 + S * N * 4
     ms, note = _time(lambda: nb.fp8_mqa_logits(q, kv, w, ks, ke, impl="triton"))
-    row = _row("fp8_mqa_logits", shape, "triton", ms, flops, nbytes,
-               vs_fp8_mm=(flops / ms / 1e9 / fp8_rate) if (ms and fp8_rate) else None)
-    row["limit"] = ["fp8_tflops"]
-    if note:
-        row["note"] = note
-    rows = [row]
+    rows = [_row("fp8_mqa_logits", shape, "triton", ms, flops, nbytes, limit=["fp8_tflops"], note=note,
+                 vs_fp8_mm=(flops / ms / 1e9 / fp8_rate) if (ms and fp8_rate) else None)]
     baselines = {}
     if N <= 32768:  # the fallback needs S * H * 8192 * 4 bytes of scratch per chunk, and is slow
         baselines["torch"] = lambda: torch_ragged_logits(q, kv, w, ks, ke)
     if dg is not None and H in (32, 64):
         baselines["deep_gemm"] = lambda: dg.fp8_mqa_logits(q, kv, w, ks, ke, clean_logits=True)
-    for impl, fn in baselines.items():
-        b_ms, b_note = _time(fn)
-        b_row = _row("fp8_mqa_logits", shape, impl, b_ms, flops, nbytes,
-                     triton_speedup=(b_ms / ms) if (b_ms and ms) else None)
-        if b_note:
-            b_row["note"] = b_note
-        rows.append(b_row)
+    rows += _baseline_rows("fp8_mqa_logits", shape, baselines, ms, flops, nbytes)
     return rows
 
 
@@ -155,34 +163,20 @@ def _paged_rows(B: int, L: int, next_n: int, H: int, D: int, copy_rate: float | 
     kv_bytes = float(B * L * (D + 4))
     ms, note = _time(lambda: nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, L, impl="triton"))
     kv_rate = kv_bytes / ms / 1e6 if ms else None
-    row = _row("fp8_paged_mqa_logits", shape, "triton", ms, None, kv_bytes,
-               vs_copy=(kv_rate / copy_rate) if (kv_rate and copy_rate) else None)
-    row["limit"] = ["copy_gbps"]
-    if note:
-        row["note"] = note
-    rows = [row]
+    rows = [_row("fp8_paged_mqa_logits", shape, "triton", ms, None, kv_bytes, limit=["copy_gbps"], note=note,
+                 vs_copy=(kv_rate / copy_rate) if (kv_rate and copy_rate) else None)]
     # Decode runs inside CUDA graphs in SGLang and vLLM: the replay time is the served cost.
     g_ms, g_note = _time(lambda: nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, L, impl="triton"), graph=True)
     g_rate = kv_bytes / g_ms / 1e6 if g_ms else None
-    g_row = _row("fp8_paged_mqa_logits", shape, "triton-graph", g_ms, None, kv_bytes,
-                 vs_copy=(g_rate / copy_rate) if (g_rate and copy_rate) else None)
-    g_row["limit"] = ["copy_gbps"]
-    if g_note:
-        g_row["note"] = g_note
-    rows.append(g_row)
+    rows.append(_row("fp8_paged_mqa_logits", shape, "triton-graph", g_ms, None, kv_bytes, limit=["copy_gbps"],
+                     note=g_note, vs_copy=(g_rate / copy_rate) if (g_rate and copy_rate) else None))
     baselines = {}
     if L <= 16384:
         baselines["torch"] = lambda: torch_paged_logits(q, cache, w, ctx, table, L)
     if dg is not None:
         dg_meta = dg.get_paged_mqa_logits_metadata(ctx, 64, num_sms)
         baselines["deep_gemm"] = lambda: dg.fp8_paged_mqa_logits(q, cache, w, ctx, table, dg_meta, L, False)
-    for impl, fn in baselines.items():
-        b_ms, b_note = _time(fn)
-        b_row = _row("fp8_paged_mqa_logits", shape, impl, b_ms, None, kv_bytes,
-                     triton_speedup=(b_ms / ms) if (b_ms and ms) else None)
-        if b_note:
-            b_row["note"] = b_note
-        rows.append(b_row)
+    rows += _baseline_rows("fp8_paged_mqa_logits", shape, baselines, ms, None, kv_bytes)
     meta_ms, _ = _time(lambda: nb.get_paged_mqa_logits_metadata(ctx, 64, num_sms, impl="triton"))
     rows.append(_row("get_paged_mqa_logits_metadata", {"B": B, "num_sms": num_sms}, "triton", meta_ms))
     return rows
@@ -224,10 +218,8 @@ def sweep(quick: bool = False) -> list[dict[str, Any]]:
                 continue
             ms, note = _time(lambda cfg=cfg, a=(q, kv, w, ks, ke):
                              ki.fp8_mqa_logits_triton(*a, True, 0, config=cfg))
-            row = _row("fp8_mqa_logits", {"S": S, "N": N, "H": H, "D": D}, f"triton[{cfg}]", ms, flops)
-            if note:
-                row["note"] = note
-            rows.append(row)
+            rows.append(_row("fp8_mqa_logits", {"S": S, "N": N, "H": H, "D": D}, f"triton[{cfg}]", ms, flops,
+                             note=note))
     for next_n in (1, 2):
         B, L, H, D = 128, 16384 if quick else 32768, 64, 128
         q, cache, w, ctx, table = paged_inputs(B, L, next_n, H, D)
@@ -240,11 +232,8 @@ def sweep(quick: bool = False) -> list[dict[str, Any]]:
                 cfg = LogitsConfig(bn, cols, warps, st)
                 ms, note = _time(lambda cfg=cfg, chunk=chunk, a=(q, cache, w, ctx, table, None, L):
                                  ki.fp8_paged_mqa_logits_triton(*a, config=cfg, chunk=chunk))
-                row = _row("fp8_paged_mqa_logits", {"B": B, "context": L, "next_n": next_n, "H": H},
-                           f"triton[{cfg}, chunk={chunk}]", ms, None, kv_bytes)
-                if note:
-                    row["note"] = note
-                rows.append(row)
+                rows.append(_row("fp8_paged_mqa_logits", {"B": B, "context": L, "next_n": next_n, "H": H},
+                                 f"triton[{cfg}, chunk={chunk}]", ms, None, kv_bytes, note=note))
     return rows
 
 

@@ -39,6 +39,7 @@ import torch
 from nsa_backend.bench import FAMILIES, builtin
 from nsa_backend.bench.limits import LIMIT_KEYS, limit_sizes, measure_limits
 from nsa_backend.bench.schema import SCHEMA_VERSION, validate, validate_row
+from nsa_backend.routing.router import OP_FAMILY as ROUTE_FAMILY
 
 # Implementations of this package: the rows the "vs_<impl>" ratios are computed for.
 OURS_IMPLS: tuple[str, ...] = ("triton", "triton-graph")
@@ -46,21 +47,15 @@ OURS_IMPLS: tuple[str, ...] = ("triton", "triton-graph")
 GRAPH_SUFFIX = "-graph"
 NATIVE_MODULES: tuple[str, ...] = ("deep_gemm", "flash_mla", "flashinfer")
 
-# Benchmark family of every public op (for ``--ops <op name>``).
-OP_FAMILY: dict[str, str] = {
-    "fp8_mqa_logits": "indexer",
-    "get_paged_mqa_logits_metadata": "indexer",
-    "fp8_paged_mqa_logits": "indexer",
-    "pack_indexer_k_cache": "indexer",
-    "topk_indices": "topk",
-    "logical_to_global_indices": "topk",
-    "flash_mla_sparse_fwd": "sparse_mla",
-    "sparse_mla_decode": "sparse_mla",
-    "pack_fp8_ds_mla": "sparse_mla",
-    "unpack_fp8_ds_mla": "sparse_mla",
-    "write_fp8_ds_mla_cache": "sparse_mla",
-    "tf32_hc_prenorm_gemm": "mhc",
+# Benchmark family of every public op (for ``--ops <op name>``), from the op's routing family.
+_BENCH_FAMILY_OF_ROUTE: dict[str | None, str] = {
+    "indexer": "indexer",
+    "topk": "topk",
+    "prefill": "sparse_mla",
+    "decode": "sparse_mla",
+    "hc_prenorm": "mhc",
 }
+OP_FAMILY: dict[str, str] = {op: _BENCH_FAMILY_OF_ROUTE[route] for op, route in ROUTE_FAMILY.items()}
 
 # The hardware limits that bound each op; a row may name its own with the key "limit".
 # Ops not listed get a ratio against every limit its row has a rate for.

@@ -118,6 +118,19 @@ def _pad_heads(x: torch.Tensor, dim: int, target: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
 
 
+def _flash_mla_with_q(
+    q: torch.Tensor, head_dim: int, h_q: int, device: torch.device
+) -> tuple[Any, torch.Tensor, str] | None:
+    """``(flash_mla, q padded to the 64 or 128 heads FlashMLA takes, row name)``; ``None`` when FlashMLA
+    does not import or the device is not CUDA."""
+    fm = _flash_mla()
+    if fm is None or device.type != "cuda":
+        return None
+    target = 64 if h_q <= 64 else 128
+    name = "flash_mla" if target == h_q else f"flash_mla_pad{target}"
+    return fm, _pad_heads(q, head_dim, target), name
+
+
 def bench_prefill(
     h_q: int,
     s_q: int,
@@ -133,20 +146,17 @@ def bench_prefill(
     flops = 2.0 * s_q * h_q * topk * (D_QK + D_V)
     nbytes = s_q * topk * D_QK * 2.0 + a["q"].numel() * 2 + s_q * h_q * D_V * 2
     rows = []
-    ms, note = _safe_ms(
+    ours, note = _safe_ms(
         lambda: flash_mla_sparse_fwd_triton(a["q"], a["kv"], a["indices"], a["sm_scale"]), device
     )
-    ours = ms
-    fm = _flash_mla()
     fm_ms = None
-    if fm is not None and device.type == "cuda":
-        target = 64 if h_q <= 64 else 128
-        qp = _pad_heads(a["q"], 1, target)
+    flash = _flash_mla_with_q(a["q"], 1, h_q, device)
+    if flash is not None:
+        fm, qp, name = flash
         kw = _legacy(fm.flash_mla_sparse_fwd)
         fm_ms, fm_note = _safe_ms(
             lambda: fm.flash_mla_sparse_fwd(qp, a["kv"], a["indices"], a["sm_scale"], D_V, **kw), device
         )
-        name = "flash_mla" if target == h_q else f"flash_mla_pad{target}"
         rows.append(_row("flash_mla_sparse_fwd", shape, name, fm_ms, flops, nbytes, note=fm_note))
     ratio = fm_ms / ours if (fm_ms and ours) else None
     rows.insert(
@@ -170,15 +180,13 @@ def bench_decode(
     flops = 2.0 * B * s_q * h_q * topk * (D_QK + D_V)
     nbytes = B * s_q * topk * 656.0 + a["q"].numel() * 2 + B * s_q * h_q * D_V * 2
     rows = []
-    ms, note = _safe_ms(
+    ours, note = _safe_ms(
         lambda: sparse_mla_decode_triton(a["q"], a["kv_cache"], a["indices"], a["sm_scale"]), device
     )
-    ours = ms
-    fm = _flash_mla()
     fm_ms = None
-    if fm is not None and device.type == "cuda":
-        target = 64 if h_q <= 64 else 128
-        qp = _pad_heads(a["q"], 2, target)
+    flash = _flash_mla_with_q(a["q"], 2, h_q, device)
+    if flash is not None:
+        fm, qp, name = flash
         sched, _ = fm.get_mla_metadata()
         kw = _legacy(fm.flash_mla_with_kvcache)
 
@@ -199,7 +207,6 @@ def bench_decode(
             )
 
         fm_ms, fm_note = _safe_ms(run_fm, device)
-        name = "flash_mla" if target == h_q else f"flash_mla_pad{target}"
         g = gbps(nbytes, fm_ms)
         rows.append(
             _row(

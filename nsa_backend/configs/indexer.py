@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH, SHARED_MEMORY_LIMIT, TARGET_ARCHS
+from nsa_backend.configs import FALLBACK_SHARED_MEMORY, shared_memory_budget  # noqa: F401 (module API)
+from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH
 
 HEAD_DIMS: tuple[int, ...] = (64, 128)
 # Padded head counts (tl.dot needs at least 16 columns).
@@ -26,8 +27,6 @@ HEAD_BUCKETS: tuple[int, ...] = (16, 32, 64, 128)
 NEXT_N_BUCKETS: tuple[int, ...] = (1, 2, 4)
 PAGE_SIZES: tuple[int, ...] = (32, 64)
 
-# Used when the architecture is unknown (CPU interpreter): the smallest budget we ship for.
-FALLBACK_SHARED_MEMORY = min(SHARED_MEMORY_LIMIT[a] for a in TARGET_ARCHS)
 # Share of the budget the estimate may use (the compiler adds scratch for layout conversions).
 SHARED_MEMORY_MARGIN = 0.85
 # Paged decode: aim for at least this many programs per SM before shrinking the key chunk.
@@ -57,7 +56,7 @@ def arch_kind(arch: int | None) -> str:
         return "small"
     if arch // 10 == 9:
         return "wgmma"
-    if SHARED_MEMORY_LIMIT.get(arch, FALLBACK_SHARED_MEMORY) >= 160 * 1024:
+    if shared_memory_budget(arch) >= 160 * 1024:
         return "big"
     return "small"
 
@@ -95,12 +94,6 @@ def padded_next_n(next_n: int) -> int:
         if next_n <= n:
             return n
     raise ValueError(f"next_n: expected at most {NEXT_N_BUCKETS[-1]}, got {next_n}")
-
-
-def shared_memory_budget(arch: int | None) -> int:
-    if arch is None:
-        return FALLBACK_SHARED_MEMORY
-    return SHARED_MEMORY_LIMIT.get(arch, FALLBACK_SHARED_MEMORY)
 
 
 def fp8_native(arch: int | None) -> bool:

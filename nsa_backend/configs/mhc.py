@@ -17,7 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, TARGET_ARCHS
+from nsa_backend.configs import (  # noqa: F401 (budget names stay part of this module's API)
+    FALLBACK_SHARED_MEMORY,
+    first_fitting,
+    shared_memory_budget,
+)
 
 # Widths of the N tile: N (a multiple of 8, at most 128) is padded to the next of these.
 BLOCK_N_BUCKETS: tuple[int, ...] = (16, 32, 64, 128)
@@ -44,15 +48,13 @@ REDUCE_TILE = 4096
 REDUCE_MAX_BLOCK_J = 64
 REDUCE_NUM_WARPS = 4
 
-# Used when the architecture is unknown (CPU interpreter): the smallest budget we ship for.
-FALLBACK_SHARED_MEMORY = min(SHARED_MEMORY_LIMIT[a] for a in TARGET_ARCHS)
 # Share of the budget the estimate may use (the compiler adds scratch for layout conversions).
 SHARED_MEMORY_MARGIN = 0.85
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch configuration of ``_hc_prenorm_gemm_kernel``."""
+    """One launch configuration of ``_mhc_prenorm_gemm_kernel``."""
 
     block_m: int
     block_k: int
@@ -80,19 +82,11 @@ def block_n_for(n: int) -> int:
     raise ValueError(f"n: expected at most {BLOCK_N_BUCKETS[-1]}, got {n}")
 
 
-def shared_memory_budget(arch: int | None) -> int:
-    """Bytes of shared memory a program may use on ``sm_<arch>`` (``None``: the smallest we ship for)."""
-    if arch is None:
-        return FALLBACK_SHARED_MEMORY
-    return SHARED_MEMORY_LIMIT.get(arch, FALLBACK_SHARED_MEMORY)
-
-
 def gemm_config(n: int, m: int, arch: int | None) -> tuple[int, GemmConfig]:
     """``(block_n, config)`` for ``n`` columns and ``m`` rows on ``sm_<arch>``."""
     block_n = block_n_for(n)
-    budget = shared_memory_budget(arch) * SHARED_MEMORY_MARGIN
-    candidates = GEMM_CONFIGS[block_n]
-    cfg = next((c for c in candidates if c.shared_bytes_estimate(block_n) <= budget), candidates[-1])
+    cfg = first_fitting(GEMM_CONFIGS[block_n], arch, SHARED_MEMORY_MARGIN,
+                        lambda c: c.shared_bytes_estimate(block_n))
     for bm in SMALL_BLOCK_M:
         if m <= bm < cfg.block_m:
             cfg = replace(cfg, block_m=bm)

@@ -19,7 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, TARGET_ARCHS
+from nsa_backend.configs import (  # noqa: F401 (budget names stay part of this module's API)
+    FALLBACK_SHARED_MEMORY,
+    first_fitting,
+    shared_memory_budget,
+)
 
 BLOCK_H_CHOICES: tuple[int, ...] = (16, 32, 64)
 # Decode split-K planning: programs resident per SM by heads per program (a 64-head program holds
@@ -32,7 +36,6 @@ MAX_SPLITS = 64
 MERGE_BLOCK_H = 16
 MERGE_NUM_WARPS = 4
 
-FALLBACK_SHARED_MEMORY = min(SHARED_MEMORY_LIMIT[a] for a in TARGET_ARCHS)
 # Share of the budget the estimate (a lower bound) may use.
 SHARED_MEMORY_MARGIN = 1.0
 
@@ -83,36 +86,17 @@ PREFILL_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
     },
 }
 
+# Decode uses the prefill tiles, but for two pipeline stages with 32 heads per program on sm_90.
 DECODE_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
-    "sm90": {
-        64: (AttnConfig(64, 64, 8, 2), AttnConfig(64, 32, 8, 2)),
-        32: (AttnConfig(32, 32, 4, 2),),
-        16: (AttnConfig(16, 64, 4, 2),),
-    },
-    "sm80": {
-        64: (AttnConfig(64, 32, 8, 2),),
-        32: (AttnConfig(32, 32, 4, 2),),
-        16: (AttnConfig(16, 64, 4, 2),),
-    },
-    "small": {
-        64: (AttnConfig(64, 16, 8, 2),),
-        32: (AttnConfig(32, 32, 4, 2),),
-        16: (AttnConfig(16, 32, 4, 2),),
-    },
+    **PREFILL_CONFIGS,
+    "sm90": {**PREFILL_CONFIGS["sm90"], 32: (AttnConfig(32, 32, 4, 2),)},
 }
-
-
-def shared_memory_budget(arch: int | None) -> int:
-    if arch is None:
-        return FALLBACK_SHARED_MEMORY
-    return SHARED_MEMORY_LIMIT.get(arch, FALLBACK_SHARED_MEMORY)
 
 
 def _pick(table: dict[str, dict[int, tuple[AttnConfig, ...]]], block_h: int, arch: int | None,
           kv_fp8: bool) -> AttnConfig:
-    candidates = table[arch_class(arch)][block_h]
-    budget = shared_memory_budget(arch) * SHARED_MEMORY_MARGIN
-    return next((c for c in candidates if c.shared_bytes_estimate(kv_fp8) <= budget), candidates[-1])
+    return first_fitting(table[arch_class(arch)][block_h], arch, SHARED_MEMORY_MARGIN,
+                         lambda c: c.shared_bytes_estimate(kv_fp8))
 
 
 def prefill_config(block_h: int, arch: int | None) -> AttnConfig:

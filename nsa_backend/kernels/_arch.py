@@ -38,6 +38,8 @@ def device_arch(device: torch.device) -> int | None:
     return forced if forced is not None else _real(_index(device))[0]
 
 
-def device_sms(device: torch.device) -> int:
-    """Number of streaming multiprocessors of the real GPU."""
+def device_sms(device: torch.device, off_cuda: int = 4) -> int:
+    """Number of streaming multiprocessors of the real GPU; ``off_cuda`` off CUDA (the CPU interpreter)."""
+    if device.type != "cuda":
+        return off_cuda
     return _real(_index(device))[1]

@@ -97,7 +97,20 @@ def _launch(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor | None, n
 
 
 def pack_fp8_ds_mla_triton(kv: torch.Tensor, scale_format: str = "arbitrary") -> torch.Tensor:
-    """Triton :func:`nsa_backend.pack_fp8_ds_mla`: ``[N, 576]`` bf16 -> ``[N, 656]`` uint8."""
+    """Triton :func:`nsa_backend.pack_fp8_ds_mla`.
+
+    Parameters
+    ----------
+    kv : torch.Tensor
+        ``[N, 576]`` ``bfloat16``: 512 latent values then 64 rope values.
+    scale_format : str
+        ``"arbitrary"`` or ``"pow2"`` scales per 128-wide group.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[N, 656]`` ``uint8`` fp8_ds_mla token rows.
+    """
     N = kv.shape[0]
     out = torch.empty(N, DS_MLA_TOKEN_BYTES, dtype=torch.uint8, device=kv.device)
     _launch(kv, out, None, N, 1, DS_MLA_TOKEN_BYTES, scale_format)
@@ -110,6 +123,20 @@ def write_fp8_ds_mla_cache_triton(
     slot_mapping: torch.Tensor,
     scale_format: str = "arbitrary",
 ) -> None:
-    """Triton :func:`nsa_backend.write_fp8_ds_mla_cache`: quantise ``kv`` into ``slot_mapping`` slots."""
+    """Triton :func:`nsa_backend.write_fp8_ds_mla_cache`: quantise ``kv`` into ``slot_mapping`` slots.
+
+    Parameters
+    ----------
+    kv : torch.Tensor
+        ``[T, 576]`` ``bfloat16``.
+    kv_cache : torch.Tensor
+        ``uint8 [num_blocks, page, 656]`` or ``[num_blocks, page, 1, 656]``, written in place;
+        ``stride(0)`` may be padded.
+    slot_mapping : torch.Tensor
+        ``[T]`` ``int32`` or ``int64``: token ``t`` goes to row ``slot % page`` of page ``slot // page``;
+        negative slots are skipped.
+    scale_format : str
+        ``"arbitrary"`` or ``"pow2"``.
+    """
     num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
     _launch(kv, kv_cache, slot_mapping, num_blocks * page, page, kv_cache.stride(0), scale_format)

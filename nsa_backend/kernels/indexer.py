@@ -44,7 +44,7 @@ _DECODE_SCALE = 65536.0
 
 
 @triton.jit
-def _e4m3_bits_to_f16(x):
+def _indexer_e4m3_bits_to_f16(x):
     # x: uint8 e4m3 bits -> fp16 holding value / 256 (exact, subnormals included)
     x16 = x.to(tl.uint16)
     bits = ((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)
@@ -97,7 +97,7 @@ def _indexer_ragged_logits_kernel(
     b_q = tl.load(q_ptr + o_qh[:, None] * D + o_d[None, :], mask=m_c[:, None], other=0.0)  # [BQ*HP, D]
     b_w = tl.load(w_ptr + o_qh, mask=m_c, other=0.0) * w_scale  # [BQ*HP]
     if not FP8_NATIVE:
-        b_q = _e4m3_bits_to_f16(b_q)
+        b_q = _indexer_e4m3_bits_to_f16(b_q)
     p_out = out_ptr + o_q.to(tl.int64)[None, :] * stride_out  # [1, BQ]
 
     for n0 in range(lo, hi, BLOCK_N):
@@ -105,7 +105,7 @@ def _indexer_ragged_logits_kernel(
         m_n = o_n < hi
         b_k = tl.load(k_ptr + o_n.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_n[:, None], other=0.0)
         if not FP8_NATIVE:
-            b_k = _e4m3_bits_to_f16(b_k)
+            b_k = _indexer_e4m3_bits_to_f16(b_k)
         b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, BQ*HP]
         b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
         b_l = tl.sum(tl.reshape(b_s, (BLOCK_N, BQ, HP)), axis=2)  # [BLOCK_N, BQ]
@@ -195,7 +195,7 @@ def _indexer_paged_logits_kernel(
     b_q = tl.load(q_ptr + o_qh[:, None] * D + o_d[None, :], mask=m_c[:, None], other=0.0)  # [NP*HP, D]
     b_w = tl.load(w_ptr + o_qh, mask=m_c, other=0.0) * w_scale  # [NP*HP]
     if not FP8_NATIVE:
-        b_q = _e4m3_bits_to_f16(b_q)
+        b_q = _indexer_e4m3_bits_to_f16(b_q)
     p_out = out_ptr + (i_b * NEXT_N + o_j).to(tl.int64)[None, :] * stride_out  # [1, NP]
     p_bt = bt_ptr + i_b.to(tl.int64) * stride_bt
 
@@ -219,7 +219,7 @@ def _indexer_paged_logits_kernel(
         if FP8_NATIVE:
             b_k = b_k.to(tl.float8e4nv, bitcast=True)
         else:
-            b_k = _e4m3_bits_to_f16(b_k)
+            b_k = _indexer_e4m3_bits_to_f16(b_k)
         b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, NP*HP]
         b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
         b_l = tl.sum(tl.reshape(b_s, (BLOCK_N, NP, HP)), axis=2) * b_sc[:, None]  # [BLOCK_N, NP]
@@ -281,10 +281,6 @@ def _indexer_paged_schedule_kernel(
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-def _num_sms(device: torch.device) -> int:
-    return device_sms(device) if device.type == "cuda" else 4
-
-
 def _fp8_operand(x: torch.Tensor, native: bool) -> torch.Tensor:
     return x if native else x.view(torch.uint8)
 
@@ -300,7 +296,30 @@ def fp8_mqa_logits_triton(
     *,
     config: cfgs.LogitsConfig | None = None,
 ) -> torch.Tensor:
-    """Triton ``fp8_mqa_logits`` (see :func:`nsa_backend.fp8_mqa_logits`); ``config`` overrides the table."""
+    """Triton ``fp8_mqa_logits`` (see :func:`nsa_backend.fp8_mqa_logits`), on validated inputs.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[S, H, D]`` ``float8_e4m3fn``, contiguous.
+    kv : tuple of torch.Tensor
+        ``(k [N, D] float8_e4m3fn, k_scale [N] float32)``.
+    weights : torch.Tensor
+        ``[S, H]`` ``float32``.
+    cu_seq_len_k_start, cu_seq_len_k_end : torch.Tensor
+        ``[S]`` ``int32``: row ``i`` sees keys ``[start[i], end[i])``.
+    clean_logits : bool
+        Write ``-inf`` outside each row's window.
+    max_seqlen_k : int
+        When > 0, the compressed layout: ``out[i, j] = logits[i, start[i] + j]``.
+    config : LogitsConfig, optional
+        Launch configuration overriding ``nsa_backend.configs.indexer.ragged_config``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[S, N]`` (or ``[S, max_seqlen_k]``) ``float32``.
+    """
     k, k_scale = kv
     S, H, D = q.shape
     N = k.shape[0]
@@ -327,7 +346,24 @@ def fp8_mqa_logits_triton(
 def get_paged_mqa_logits_metadata_triton(
     context_lens: torch.Tensor, block_kv: int, num_sms: int
 ) -> torch.Tensor:
-    """Triton ``get_paged_mqa_logits_metadata``: one program, no host synchronisation."""
+    """Triton ``get_paged_mqa_logits_metadata``: one program, no host synchronisation.
+
+    Parameters
+    ----------
+    context_lens : torch.Tensor
+        ``[B]`` or ``[B, next_n]`` ``int32``.
+    block_kv : int
+        Page size of the key cache; accepted for the op's signature (the schedule is in segments
+        of ``PAGED_SCHEDULE_SPLIT_KV`` keys whatever the page size).
+    num_sms : int
+        Number of workers to schedule.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[num_sms + 1, 2]`` ``int32``: the ``(request, segment)`` where each worker starts, then
+        the end sentinel.
+    """
     out = torch.empty(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
     B = context_lens.shape[0]
     if context_lens.dim() == 2:
@@ -357,9 +393,38 @@ def fp8_paged_mqa_logits_triton(
     config: cfgs.LogitsConfig | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """Triton ``fp8_paged_mqa_logits``; ``schedule_meta`` is accepted and not needed.
+    """Triton ``fp8_paged_mqa_logits`` (see :func:`nsa_backend.fp8_paged_mqa_logits`), on validated inputs.
 
     Every output entry is written: logits for visible keys, ``-inf`` elsewhere.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, next_n, H, D]`` ``float8_e4m3fn``, contiguous.
+    kv_cache : torch.Tensor
+        ``uint8 [num_blocks, page, 1, D + 4]`` (or ``[num_blocks, page, D + 4]``): per page the
+        ``page * D`` e4m3 values, then ``page`` fp32 scales; ``stride(0)`` may be padded.
+    weights : torch.Tensor
+        ``[B * next_n, H]`` ``float32``.
+    context_lens : torch.Tensor
+        ``[B]`` or ``[B, next_n]`` ``int32``.
+    block_table : torch.Tensor
+        ``[B, max_blocks]`` ``int32`` page ids.
+    schedule_meta : torch.Tensor
+        ``[num_sms + 1, 2]`` ``int32``; accepted for the op's signature, not needed by the kernel.
+    max_context_len : int
+        Output columns.
+    clean_logits : bool
+        Accepted for the op's signature: keys that are not visible are always ``-inf``.
+    config : LogitsConfig, optional
+        Launch configuration overriding ``nsa_backend.configs.indexer.paged_config``.
+    chunk : int, optional
+        Keys per program overriding ``nsa_backend.configs.indexer.paged_chunk``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B * next_n, max_context_len]`` ``float32``.
     """
     B, next_n, H, D = q.shape
     if kv_cache.dim() == 3:
@@ -372,7 +437,7 @@ def fp8_paged_mqa_logits_triton(
     native = cfgs.fp8_native(arch)
     cfg = config or cfgs.paged_config(H, next_n, D, arch)
     block_n = cfg.block_n
-    chunk = chunk or cfgs.paged_chunk(B, max_context_len, _num_sms(q.device), block_n)
+    chunk = chunk or cfgs.paged_chunk(B, max_context_len, device_sms(q.device), block_n)
     stride_page = kv_cache.stride(0)
     aligned = stride_page % 4 == 0 and kv_cache.data_ptr() % 4 == 0
     hp = cfgs.padded_heads(H)

@@ -39,7 +39,7 @@ __all__ = ["split_plan", "tf32_hc_prenorm_gemm_triton"]
                             and args["CHUNK_K"] % args["BLOCK_K"] == 0),
 })
 @triton.jit
-def _hc_prenorm_gemm_kernel(
+def _mhc_prenorm_gemm_kernel(
     a_ptr,
     b_ptr,
     d_ptr,
@@ -113,7 +113,7 @@ def _hc_prenorm_gemm_kernel(
 
 
 @triton.jit
-def _hc_prenorm_reduce_kernel(
+def _mhc_prenorm_reduce_kernel(
     ws_ptr,
     d_ptr,
     sq_ptr,
@@ -219,7 +219,7 @@ def _launch(
         ws = torch.empty((slots, M * N + M), dtype=torch.float32, device=a.device)
         out_d, out_sq, stride_dt, stride_st = ws, ws[:, M * N:], M * N + M, M * N + M
     grid = (triton.cdiv(M, config.block_m), slots)
-    _hc_prenorm_gemm_kernel[grid](
+    _mhc_prenorm_gemm_kernel[grid](
         a, b, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -227,7 +227,7 @@ def _launch(
     if num_chunks > 1:
         block_j, block = cfgs.reduce_blocks(num_chunks)
         grid = (triton.cdiv(M * N + M, block), num_splits)
-        _hc_prenorm_reduce_kernel[grid](ws, d, sqr_sum, M, N, num_chunks, BLOCK=block, BLOCK_J=block_j,
+        _mhc_prenorm_reduce_kernel[grid](ws, d, sqr_sum, M, N, num_chunks, BLOCK=block, BLOCK_J=block_j,
                                         num_warps=cfgs.REDUCE_NUM_WARPS)
 
 
@@ -325,9 +325,9 @@ def compile_shipped(arch: int) -> list[Any]:
                 continue
             constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": block_n, "BLOCK_K": cfg.block_k,
                           "PRECISION": precision, "EVEN_K": cfg.block_k == 64, "BF16_DOT_AS_FP32": False}
-            out.append(_compile(_hc_prenorm_gemm_kernel.fn, _GEMM_SIGNATURE, _GEMM_DIVISIBLE, constexprs, arch,
+            out.append(_compile(_mhc_prenorm_gemm_kernel.fn, _GEMM_SIGNATURE, _GEMM_DIVISIBLE, constexprs, arch,
                                 cfg.num_warps, cfg.num_stages))
     for block_j, block in cfgs.shipped_reduce_blocks():
-        out.append(_compile(_hc_prenorm_reduce_kernel, _REDUCE_SIGNATURE, _REDUCE_DIVISIBLE,
+        out.append(_compile(_mhc_prenorm_reduce_kernel, _REDUCE_SIGNATURE, _REDUCE_DIVISIBLE,
                             {"BLOCK": block, "BLOCK_J": block_j}, arch, cfgs.REDUCE_NUM_WARPS, 3))
     return out

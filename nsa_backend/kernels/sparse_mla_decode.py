@@ -89,11 +89,6 @@ def _sparse_mla_decode_merge_kernel(
     tl.store(lse_ptr + i_b * h_q * s_q + o_h * s_q + i_q, b_lse, mask=m_h)
 
 
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of the GPU (``FALLBACK_NUM_SMS`` off CUDA)."""
-    return device_sms(device) if device.type == "cuda" else FALLBACK_NUM_SMS
-
-
 def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: torch.device,
                 config: AttnConfig | None = None,
                 num_splits: int | None = None) -> tuple[AttnConfig, int, int]:
@@ -102,7 +97,8 @@ def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: t
     cfg = config or decode_config(block_h_for(h_q), arch, kv_format == "fp8_ds_mla")
     head_blocks = triton.cdiv(h_q, cfg.block_h)
     if num_splits is None:
-        splits, per = decode_num_splits(B * s_q, head_blocks, topk, cfg.block_n, num_sms(device), cfg.block_h)
+        sms = device_sms(device, FALLBACK_NUM_SMS)
+        splits, per = decode_num_splits(B * s_q, head_blocks, topk, cfg.block_n, sms, cfg.block_h)
     else:
         per = triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n
         splits = triton.cdiv(topk, per)
@@ -125,7 +121,34 @@ def sparse_mla_decode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`nsa_backend.sparse_mla_decode` (see the module docstring).
 
-    ``config``, ``num_splits`` and ``native_fp8`` override the heuristic choices (tests, tuning).
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, s_q, h_q, d_qk]`` ``bfloat16``, contiguous.
+    kv_cache : torch.Tensor
+        ``kv_format="fp8_ds_mla"``: ``uint8 [num_blocks, page, 656]`` or ``[num_blocks, page, 1, 656]``
+        (``d_qk = 576``); ``"bf16"``: ``bfloat16 [num_blocks, page, 1, d_qk]``. ``stride(0)`` may be padded.
+    indices : torch.Tensor
+        ``[B, s_q, topk]`` ``int32`` global slots; negative slots and slots ``>= num_blocks * page``
+        are skipped.
+    sm_scale : float
+        Softmax scale applied to ``q . k``.
+    d_v : int
+        Value head dim (512).
+    kv_format : str
+        ``"fp8_ds_mla"`` or ``"bf16"``.
+    attn_sink : torch.Tensor, optional
+        ``[h_q]`` ``float32``: ``out *= exp(lse) / (exp(lse) + exp(sink))``.
+    topk_length : torch.Tensor, optional
+        ``[B]`` ``int32``: request ``b`` uses its first ``topk_length[b]`` indices.
+    config, num_splits, native_fp8 : optional
+        Override the launch configuration, the split of the top-k list over programs and the e4m3
+        decoding path chosen from the shapes and the architecture.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``out [B, s_q, h_q, d_v] bfloat16`` and ``lse [B, h_q, s_q] float32`` (natural log).
     """
     B, s_q, h_q, d_qk = q.shape
     topk = indices.shape[-1]

@@ -239,7 +239,33 @@ def flash_mla_sparse_fwd_triton(
     *,
     config: AttnConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton :func:`nsa_backend.flash_mla_sparse_fwd` (see the module docstring for the tiling)."""
+    """Triton :func:`nsa_backend.flash_mla_sparse_fwd` (see the module docstring for the tiling).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[s_q, h_q, d_qk]`` ``bfloat16``, contiguous; ``d_qk`` in {512, 576}.
+    kv : torch.Tensor
+        ``[s_kv, 1, d_qk]`` ``bfloat16``, contiguous; ``V`` is the first ``d_v`` dims.
+    indices : torch.Tensor
+        ``[s_q, 1, topk]`` ``int32``; ``-1`` and values ``>= s_kv`` are skipped.
+    sm_scale : float
+        Softmax scale applied to ``q . k``.
+    d_v : int
+        Value head dim (512).
+    attn_sink : torch.Tensor, optional
+        ``[h_q]`` ``float32``: ``out *= exp(lse) / (exp(lse) + exp(sink))``.
+    topk_length : torch.Tensor, optional
+        ``[s_q]`` ``int32``: row ``i`` uses its first ``topk_length[i]`` indices.
+    config : AttnConfig, optional
+        Launch configuration overriding ``nsa_backend.configs.sparse_mla.prefill_config``.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``out [s_q, h_q, d_v] bfloat16``, ``max_logits [s_q, h_q] float32`` (scaled logits),
+        ``lse [s_q, h_q] float32`` (natural log; ``+inf`` and ``out = 0`` for rows without a key).
+    """
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
     topk = indices.shape[-1]

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from nsa_backend.configs import topk as cfgs
+from nsa_backend.kernels._arch import device_sms
 
 __all__ = ["logical_to_global_indices_triton", "topk_indices_triton"]
 
@@ -56,6 +57,13 @@ def _topk_row_window(starts_ptr, ends_ptr, i_r, N, HAS_STARTS: tl.constexpr, HAS
     return lo, tl.maximum(hi, lo)
 
 
+# Row-window flags of the kernels that take optional ``starts`` / ``ends``.
+_row_window_flags = triton.heuristics({
+    "HAS_STARTS": lambda args: args["starts_ptr"] is not None,
+    "HAS_ENDS": lambda args: args["ends_ptr"] is not None,
+})
+
+
 @triton.jit
 def _topk_digit_threshold(p_hist, K):
     # the bin of a 256-bin histogram holding the K-th largest key: (bin, keys above, keys in it)
@@ -77,10 +85,7 @@ def _topk_threshold16(p_hist, K):
     return (sel1 << 8) | sel2, above1 + above2, in_bin
 
 
-@triton.heuristics({
-    "HAS_STARTS": lambda args: args["starts_ptr"] is not None,
-    "HAS_ENDS": lambda args: args["ends_ptr"] is not None,
-})
+@_row_window_flags
 @triton.jit(do_not_specialize=["N", "K", "SPLIT"])
 def _topk_histogram_kernel(
     x_ptr,
@@ -126,10 +131,7 @@ def _topk_histogram_kernel(
         tl.atomic_add(p_hist + LEVEL * 256 + o_bin, b_hist, mask=b_hist != 0, sem="relaxed")
 
 
-@triton.heuristics({
-    "HAS_STARTS": lambda args: args["starts_ptr"] is not None,
-    "HAS_ENDS": lambda args: args["ends_ptr"] is not None,
-})
+@_row_window_flags
 @triton.jit(do_not_specialize=["N", "K", "SPLIT", "CAP"])
 def _topk_filter_kernel(
     x_ptr,
@@ -177,10 +179,7 @@ def _topk_filter_kernel(
                 tl.store(p_cand + base + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1, o_t, mask=m_eq)
 
 
-@triton.heuristics({
-    "HAS_STARTS": lambda args: args["starts_ptr"] is not None,
-    "HAS_ENDS": lambda args: args["ends_ptr"] is not None,
-})
+@_row_window_flags
 @triton.jit(do_not_specialize=["N", "K", "CAP"])
 def _topk_finish_kernel(
     x_ptr,
@@ -298,17 +297,33 @@ def topk_indices_triton(
     *,
     config: cfgs.TopkConfig | None = None,
 ) -> torch.Tensor:
-    """Triton ``topk_indices`` (see :func:`nsa_backend.topk_indices`).
+    """Triton ``topk_indices`` (see :func:`nsa_backend.topk_indices`), on validated inputs.
 
-    Three launches, no host synchronisation, allocations sized by shapes only: a histogram of
-    the top key bits (rows split over ``split`` programs), a filter pass and a per-row finish.
+    Four launches, no host synchronisation, allocations sized by shapes only: two histogram passes
+    over the top key bits (rows split over ``split`` programs), a filter pass and a per-row finish.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[R, N]`` ``float32``.
+    topk : int
+        Indices per row.
+    starts, ends : torch.Tensor, optional
+        ``[R]`` ``int32``: row ``i`` selects among columns ``[starts[i], ends[i])`` (default ``0`` and ``N``).
+    config : TopkConfig, optional
+        Launch configuration overriding ``nsa_backend.configs.topk.topk_config``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, topk]`` ``int32`` column indices, ``-1`` padded when a row has fewer valid columns.
     """
     R, N = logits.shape
     out = torch.empty(R, topk, dtype=torch.int32, device=logits.device)
     if R == 0:
         return out
     cfg = config or cfgs.topk_config(N, R)
-    split = cfgs.row_split(R, N, cfg.block, _num_sms(logits.device))
+    split = cfgs.row_split(R, N, cfg.block, device_sms(logits.device))
     zeroed = torch.zeros(R * (512 + 2), dtype=torch.int32, device=logits.device)
     hist = zeroed[:R * 512].view(R, 512)  # two 256-bin histograms per row (key bits 31..24, 23..16)
     counters = zeroed[R * 512:].view(R, 2)  # keys written to the output / to the candidate list
@@ -325,19 +340,31 @@ def topk_indices_triton(
     return out
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def logical_to_global_indices_triton(
     indices: torch.Tensor,
     block_table: torch.Tensor,
     req_ids: torch.Tensor,
     page_size: int,
 ) -> torch.Tensor:
-    """Triton ``logical_to_global_indices`` (see :func:`nsa_backend.logical_to_global_indices`)."""
+    """Triton ``logical_to_global_indices`` (see :func:`nsa_backend.logical_to_global_indices`).
+
+    Parameters
+    ----------
+    indices : torch.Tensor
+        ``[R, K]`` ``int32`` key positions inside each row's request (``-1``: none).
+    block_table : torch.Tensor
+        ``[B, M]`` ``int32`` page ids.
+    req_ids : torch.Tensor
+        ``[R]`` ``int32`` request of each row.
+    page_size : int
+        Tokens per page.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, K]`` ``int32`` cache slots ``block_table[req, pos // page_size] * page_size + pos % page_size``;
+        ``-1`` for negative positions, pages past the table and negative table entries.
+    """
     R, K = indices.shape
     out = torch.empty_like(indices)
     if out.numel() == 0:

@@ -7,16 +7,13 @@ sm_80 ... sm_121 (it uses no fp8 type, so one variant serves every architecture)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from nsa_backend import reference as ref
+from tests.ops._aot import run_aot_script
 
 pytest.importorskip("triton")
 
@@ -95,18 +92,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_aot_pack_kernel_all_archs():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = run_aot_script(_AOT_SCRIPT, timeout=600, env={"TRITON_DEFAULT_FP_FUSION": "1"})
     assert all(r[-1] for r in rows), rows
 
 

@@ -9,10 +9,7 @@ budget. GPU (``gpu`` mark): a fuzz over DeepSeek-V4 sized shapes against the fp3
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ from nsa_backend.configs import mhc as cfgs
 from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, TARGET_ARCHS
 from nsa_backend.mhc import tf32_hc_prenorm_gemm
 from tests.conftest import HAS_GPU, has_triton
+from tests.ops._aot import run_aot_script
 
 pytestmark = pytest.mark.skipif(not has_triton(), reason="needs triton")
 
@@ -160,11 +158,7 @@ with ProcessPoolExecutor(2) as ex:
 
 def test_aot_compile_all_archs():
     """Every shipped configuration compiles for sm_80..sm_121 within the shared-memory limit."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, json.dumps(list(TARGET_ARCHS))],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_aot_script(_AOT_SCRIPT, json.dumps(list(TARGET_ARCHS)), timeout=900)
     assert {r[1] for r in rows} == set(TARGET_ARCHS)
     too_big = [r for r in rows if r[2] > SHARED_MEMORY_LIMIT[r[1]]]
     assert not too_big, f"over the shared-memory limit: {too_big}"

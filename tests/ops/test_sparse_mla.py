@@ -9,17 +9,15 @@ AOT: every kernel x every shipped configuration compiled for sm_80 ... sm_121 wi
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from nsa_backend import reference as ref
+from tests.ops._aot import run_aot_script
 
 triton = pytest.importorskip("triton")
 
@@ -249,78 +247,44 @@ def test_prefill_empty_rows():
     assert torch.isposinf(lse).all() and torch.isneginf(mx).all()
 
 
+# decode_case arguments shared by the CPU cases; each case lists what it changes.
+DECODE_DEFAULTS = dict(
+    B=2,
+    s_q=1,
+    h_q=3,
+    topk=40,
+    kv_format="fp8_ds_mla",
+    scale_format="arbitrary",
+    page=16,
+    num_blocks=3,
+    frac_invalid=0.3,
+    sink=False,
+    topk_len=False,
+    pad_pages=False,
+)
+
+
+def _decode_param(case_id: str, launch: dict, **changes):
+    return pytest.param({**DECODE_DEFAULTS, **changes}, launch, id=case_id)
+
+
 DECODE_CPU = [
-    pytest.param(
-        dict(
-            B=2,
-            s_q=2,
-            h_q=3,
-            topk=40,
-            kv_format="fp8_ds_mla",
-            scale_format="pow2",
-            page=16,
-            num_blocks=3,
-            frac_invalid=0.3,
-            sink=False,
-            topk_len=False,
-            pad_pages=False,
-        ),
-        dict(num_splits=1),
-        id="fp8-pow2-mtp2-nosplit",
-    ),
-    pytest.param(
-        dict(
-            B=2,
-            s_q=3,
-            h_q=5,
-            topk=48,
-            kv_format="fp8_ds_mla",
-            scale_format="arbitrary",
-            page=16,
-            num_blocks=4,
-            frac_invalid=0.2,
-            sink=True,
-            topk_len=True,
-            pad_pages=True,
-        ),
+    _decode_param("fp8-pow2-mtp2-nosplit", dict(num_splits=1), s_q=2, scale_format="pow2"),
+    _decode_param(
+        "fp8-arbitrary-mtp3-split3-sink-topklen-padded",
         dict(num_splits=3),
-        id="fp8-arbitrary-mtp3-split3-sink-topklen-padded",
+        s_q=3, h_q=5, topk=48, num_blocks=4, frac_invalid=0.2, sink=True, topk_len=True, pad_pages=True,
     ),
-    pytest.param(
-        dict(
-            B=1,
-            s_q=1,
-            h_q=17,
-            topk=33,
-            kv_format="fp8_ds_mla",
-            scale_format="arbitrary",
-            page=8,
-            num_blocks=5,
-            frac_invalid=0.1,
-            sink=True,
-            topk_len=False,
-            pad_pages=False,
-        ),
+    _decode_param(
+        "fp8-integer-decode-h17-split2",
         dict(num_splits=2, native_fp8=False),
-        id="fp8-integer-decode-h17-split2",
+        B=1, h_q=17, topk=33, page=8, num_blocks=5, frac_invalid=0.1, sink=True,
     ),
-    pytest.param(
-        dict(
-            B=2,
-            s_q=1,
-            h_q=2,
-            topk=24,
-            kv_format="bf16",
-            scale_format="pow2",
-            page=16,
-            num_blocks=2,
-            frac_invalid=0.3,
-            sink=True,
-            topk_len=True,
-            pad_pages=True,
-        ),
+    _decode_param(
+        "bf16-split2-padded",
         dict(num_splits=2),
-        id="bf16-split2-padded",
+        h_q=2, topk=24, kv_format="bf16", scale_format="pow2", num_blocks=2, sink=True, topk_len=True,
+        pad_pages=True,
     ),
 ]
 
@@ -410,18 +374,8 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 
 def _aot(archs: list[int]) -> list:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, ",".join(map(str, archs)), str(os.cpu_count() or 2)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_aot_script(_AOT_SCRIPT, ",".join(map(str, archs)), str(os.cpu_count() or 2), timeout=900,
+                          env={"TRITON_DEFAULT_FP_FUSION": "1"})
 
 
 @pytest.mark.slow
@@ -516,21 +470,8 @@ def test_decode_gpu_fuzz():
 @pytest.mark.gpu
 def test_decode_integer_fp8_path_gpu():
     for i, h in enumerate(HEADS):
-        c = dict(
-            B=2,
-            s_q=2,
-            h_q=h,
-            topk=512,
-            kv_format="fp8_ds_mla",
-            scale_format="arbitrary",
-            page=64,
-            num_blocks=20,
-            frac_invalid=0.1,
-            sink=True,
-            topk_len=True,
-            pad_pages=False,
-            seed=100 + i,
-        )
+        c = dict(DECODE_DEFAULTS, s_q=2, h_q=h, topk=512, page=64, num_blocks=20, frac_invalid=0.1, sink=True,
+                 topk_len=True, seed=100 + i)
         run_decode_case(decode_case(**c), str(c), native_fp8=False)
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 
 import nsa_backend as nb
 from nsa_backend import reference as ref
+from tests.ops._aot import assert_rows_fit, run_aot_script
 
 pytest.importorskip("triton")
 kt = pytest.importorskip("nsa_backend.kernels.topk")
@@ -158,20 +157,8 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_aot_compile_all_archs():
-    import json
-
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("AOT-ROWS "))
-    rows = json.loads(line[len("AOT-ROWS "):])
-    assert {r[1] for r in rows} == {80, 86, 89, 90, 100, 120, 121}
-    for kind, arch, cfg, shared, limit in rows:
-        assert shared <= limit, f"{kind} sm_{arch} {cfg}: {shared} B shared > {limit} B"
+    rows = run_aot_script(_AOT_SCRIPT, timeout=600, marker="AOT-ROWS ")
+    assert_rows_fit(rows, {80, 86, 89, 90, 100, 120, 121})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -103,25 +103,38 @@ def test_flashmla_rejected_on_sm120(name):
     assert "GlmMoeDsaForCausalLM (GLM DSA) on sm120 with kv_cache_dtype=fp8_e4m3" in str(info.value)
 
 
-def test_flashinfer_rejections_say_where_it_has_kernels():
-    with pytest.raises(ImplChoiceError, match=r"flashinfer_sparse_mla has no decode kernel on sm90; it runs on "
-                                              r"sm100, sm103, sm120, sm121"):
-        validate_impl_choice("GlmMoeDsaForCausalLM", "sm90", "fp8_e4m3", "auto", "flashinfer_sparse_mla")
-    with pytest.raises(ImplChoiceError, match=r"flashinfer_sparse_mla has no prefill kernel on sm100"):
-        validate_impl_choice("GlmMoeDsaForCausalLM", "sm100", "fp8_e4m3", "flashinfer_sparse_mla", "auto")
-    with pytest.raises(ImplChoiceError, match=r"on sm120 needs a fp8_e4m3 KV cache"):
-        validate_impl_choice("GlmMoeDsaForCausalLM", "sm120", "bfloat16", "auto", "flashinfer_sparse_mla")
+GLM, V32, V4 = "GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM"
+
+# (model, device arch, kv_cache_dtype, prefill, decode, message pattern) of rejected choices.
+REJECTIONS = [
+    pytest.param(GLM, "sm90", "fp8_e4m3", "auto", "flashinfer_sparse_mla",
+                 r"flashinfer_sparse_mla has no decode kernel on sm90; it runs on sm100, sm103, sm120, sm121",
+                 id="flashinfer-says-where-it-runs"),
+    pytest.param(GLM, "sm100", "fp8_e4m3", "flashinfer_sparse_mla", "auto",
+                 r"flashinfer_sparse_mla has no prefill kernel on sm100", id="flashinfer-no-prefill-sm100"),
+    pytest.param(GLM, "sm120", "bfloat16", "auto", "flashinfer_sparse_mla",
+                 r"on sm120 needs a fp8_e4m3 KV cache", id="flashinfer-sm120-needs-fp8"),
+    pytest.param(V32, "sm90", "bfloat16", "auto", "flashmla_sparse_q8",
+                 r"flashmla_sparse_q8 is prefill-only", id="q8-prefill-only"),
+    pytest.param(V4, "sm90", "bfloat16", "fa3", "auto",
+                 r"DeepSeek-V4 attention has no fa3 path", id="v4-no-fa3"),
+    pytest.param(V32, "sm90", "bfloat16", "auto", "aiter",
+                 r"aiter has no decode kernel on sm90; it runs on rocm", id="aiter-rocm-only"),
+    pytest.param(V32, "cpu", "bfloat16", "triton", "reference",
+                 r"triton has no prefill kernel on the CPU", id="triton-not-on-cpu"),
+    pytest.param("LlamaForCausalLM", "sm90", "bfloat16", "auto", "auto",
+                 r"'LlamaForCausalLM' has no DeepSeek sparse attention; accepted", id="bad-model"),
+    pytest.param(GLM, "sm70", "bfloat16", "auto", "auto",
+                 r"device arch 'sm70': accepted values", id="bad-arch"),
+    pytest.param(GLM, "sm90", "bfloat16", "auto", "flashmla",
+                 r"unknown decode implementation 'flashmla'; valid decode choices", id="unknown-impl"),
+]
 
 
-def test_phase_and_model_specific_messages():
-    with pytest.raises(ImplChoiceError, match=r"flashmla_sparse_q8 is prefill-only"):
-        validate_impl_choice("DeepseekV32ForCausalLM", "sm90", "bfloat16", "auto", "flashmla_sparse_q8")
-    with pytest.raises(ImplChoiceError, match=r"DeepSeek-V4 attention has no fa3 path"):
-        validate_impl_choice("DeepseekV4ForCausalLM", "sm90", "bfloat16", "fa3", "auto")
-    with pytest.raises(ImplChoiceError, match=r"aiter has no decode kernel on sm90; it runs on rocm"):
-        validate_impl_choice("DeepseekV32ForCausalLM", "sm90", "bfloat16", "auto", "aiter")
-    with pytest.raises(ImplChoiceError, match=r"triton has no prefill kernel on the CPU"):
-        validate_impl_choice("DeepseekV32ForCausalLM", "cpu", "bfloat16", "triton", "reference")
+@pytest.mark.parametrize(("model", "arch", "kv", "prefill", "decode", "match"), REJECTIONS)
+def test_rejection_messages(model, arch, kv, prefill, decode, match):
+    with pytest.raises(ImplChoiceError, match=match):
+        validate_impl_choice(model, arch, kv, prefill, decode)
 
 
 def test_tilelang_fp8_needs_both_phases():
@@ -140,13 +153,7 @@ def test_kv_dtype_aliases_and_auto():
         validate_impl_choice("GlmMoeDsaForCausalLM", "sm90", "int8", "auto", "auto")
 
 
-def test_bad_inputs():
-    with pytest.raises(ImplChoiceError, match=r"'LlamaForCausalLM' has no DeepSeek sparse attention; accepted"):
-        validate_impl_choice("LlamaForCausalLM", "sm90", "bfloat16", "auto", "auto")
-    with pytest.raises(ImplChoiceError, match=r"device arch 'sm70': accepted values"):
-        validate_impl_choice("GlmMoeDsaForCausalLM", "sm70", "bfloat16", "auto", "auto")
-    with pytest.raises(ImplChoiceError, match=r"unknown decode implementation 'flashmla'; valid decode choices"):
-        validate_impl_choice("GlmMoeDsaForCausalLM", "sm90", "bfloat16", "auto", "flashmla")
+def test_bad_phase():
     with pytest.raises(ImplChoiceError, match=r"phase 'extend'"):
         valid_impl_choices("GlmMoeDsaForCausalLM", "sm90", "bfloat16", "extend")
     assert issubclass(ImplChoiceError, ValueError)
