@@ -9,7 +9,8 @@ every arch-bound kernel on nsa-backend's routed ops:
 - top-k + page-table transform: :class:`NsaIndexerMetadata` (``topk_indices`` then
   ``logical_to_global_indices``), returning the same "fused" indices SGLang's kernels return;
 - sparse MLA prefill / decode: :func:`nsa_backend.dsa.dsa_sparse_attention` over the metadata
-  adapted by :func:`~nsa_backend_integrations.sglang.metadata.to_sparse_attn_metadata`;
+  adapted by :func:`~nsa_backend_integrations.sglang.metadata.to_sparse_attn_metadata` (every
+  batch, whatever its top-k layout and implementation);
 - FP8 ("fp8_ds_mla", 656 B/token) cache writes: :func:`nsa_backend.write_fp8_ds_mla_cache`.
 
 A phase whose chosen implementation is one of SGLang's own kernels (``fa3``, ``tilelang``,
@@ -19,6 +20,7 @@ A phase whose chosen implementation is one of SGLang's own kernels (``fa3``, ``t
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -35,13 +37,18 @@ from nsa_backend.dsa import TopkSelection, dsa_sparse_attention
 from nsa_backend.routing import set_active_model
 from nsa_backend.routing.validate import CHOICE_TO_IMPL
 from nsa_backend_integrations.sglang import kernels
-from nsa_backend_integrations.sglang.metadata import field, mode_of_forward, to_sparse_attn_metadata
+from nsa_backend_integrations.sglang.metadata import (
+    field,
+    mode_of_forward,
+    ragged_key_slots,
+    to_sparse_attn_metadata,
+)
 from nsa_backend_integrations.sglang.settings import check_impl_choice
 
 logger = logging.getLogger("nsa_backend.sglang")
 
 # Implementations whose sparse MLA runs on the paged cache only (FlashInfer's SM120 / trtllm-gen
-# kernels): prefill batches go through ``sparse_mla_decode`` with one query row per token.
+# kernels): prefill batches are described one decode row per query token.
 PAGED_ONLY_IMPLS: frozenset[str] = frozenset({"flashinfer"})
 
 
@@ -243,7 +250,7 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
         self.use_fused_topk = True  # indexer output = final indices (slots / ragged rows)
         self.nsa_kv_format = "fp8_ds_mla" if store_fp8 else "bf16"
         self.nsa_scale_format = "arbitrary" if model_arch.startswith("Glm") else "pow2"
-        self._nsa_prefill_md: tuple[int, Any] | None = None
+        self._nsa_batch: tuple[Any, dict[Any, Any]] | None = None
         set_active_model(model_arch)
         kernels.activate_dsa()
         logger.info(
@@ -284,18 +291,49 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
 
     # -- forward ------------------------------------------------------------------------------
 
-    def sparse_metadata(self, forward_batch):
-        """:class:`nsa_backend.metadata.SparseAttnMetadata` of the current batch."""
+    def _per_batch(self, key: Any, build: Any) -> Any:
+        """``build()`` once per forward metadata object (prefill batches: shared by all layers)."""
+        meta = self.forward_metadata
+        # Compared by identity through a reference, never by ``id()``: a later batch's object may
+        # reuse a freed one's address.
+        if self._nsa_batch is None or self._nsa_batch[0]() is not meta:
+            try:
+                ref = weakref.ref(meta)
+            except TypeError:
+                ref = lambda: meta
+            self._nsa_batch = (ref, {})
+        store = self._nsa_batch[1]
+        if key not in store:
+            store[key] = build()
+        return store[key]
+
+    def sparse_metadata(self, forward_batch, token_rows: bool = False):
+        """:class:`nsa_backend.metadata.SparseAttnMetadata` of the current batch (``token_rows``: see
+        :func:`~nsa_backend_integrations.sglang.metadata.to_sparse_attn_metadata`)."""
         mode = mode_of_forward(forward_batch.forward_mode)
         slots = getattr(forward_batch, "out_cache_loc", None)
+
+        def build():
+            return to_sparse_attn_metadata(self.forward_metadata, mode, slots, token_rows=token_rows)
+
         if mode == "prefill":
-            key = id(self.forward_metadata)
-            if self._nsa_prefill_md is not None and self._nsa_prefill_md[0] == key:
-                return self._nsa_prefill_md[1]
-            md = to_sparse_attn_metadata(self.forward_metadata, mode, slots)
-            self._nsa_prefill_md = (key, md)
-            return md
-        return to_sparse_attn_metadata(self.forward_metadata, mode, slots)
+            return self._per_batch(("metadata", token_rows), build)
+        return build()
+
+    def _selection(self, md, indices: torch.Tensor, ragged: bool) -> TopkSelection:
+        """The layer's top-k indices as cache slots (and prefill key-buffer rows where ``md`` has them)."""
+        if not ragged:  # cache slots already
+            return TopkSelection(global_slots=indices, prefill_keys=None)
+        # Rows of SGLang's ragged key buffer (the keys of every request in order).
+        if md.prefill is not None:
+            key_slots = md.prefill.key_slots
+        else:
+            key_slots = self._per_batch("ragged_key_slots", lambda: ragged_key_slots(self.forward_metadata))
+        valid = indices >= 0
+        slots = key_slots[indices.clamp(min=0).long()].to(torch.int32)
+        global_slots = torch.where(valid, slots, torch.full_like(slots, -1))
+        prefill_keys = indices if md.prefill is not None else None
+        return TopkSelection(global_slots=global_slots, prefill_keys=prefill_keys)
 
     def _cache_bytes(self, layer) -> torch.Tensor:
         """The layer's fp8_ds_mla cache as ``uint8 [num_slots, 1, 656]``."""
@@ -330,44 +368,26 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
             q_all = q.contiguous().view(-1, heads, layer.head_dim)
         q_all = q_all.to(torch.bfloat16)
         total = q_all.shape[0]
-        md = self.sparse_metadata(forward_batch)
-        n = md.num_tokens
-        indices = topk_indices[:n].to(torch.int32)
         ragged = self.get_topk_transform_method(forward_batch.forward_mode) == TopkTransformMethod.RAGGED
-        if ragged:  # rows of the prefill key buffer
-            valid = indices >= 0
-            slots = md.prefill.key_slots[indices.clamp(min=0).long()].to(torch.int32)
-            global_slots = torch.where(valid, slots, torch.full_like(slots, -1))
-            selection = TopkSelection(global_slots=global_slots, prefill_keys=indices)
-        else:  # cache slots already
-            selection = TopkSelection(global_slots=indices, prefill_keys=None)
-        cache = self._attention_cache(layer, md.page_size)
-        if md.decode is not None or (ragged and impl not in PAGED_ONLY_IMPLS):
-            out = dsa_sparse_attention(
-                md,
-                q_all[:n],
-                cache,
-                selection,
-                layer.scaling,
-                kv_format=self.nsa_kv_format,
-                d_v=layer.v_head_dim,
-                attn_sink=attn_sink,
-                impl=impl,
-            )
-        else:
-            # Uneven draft-extend batches, and kernels without a ragged prefill entry: read the
-            # paged cache with one query row per token.
-            o, _ = nsa_backend.sparse_mla_decode(
-                q_all[:n, None],
-                cache,
-                selection.global_slots[:, None, :],
-                layer.scaling,
-                layer.v_head_dim,
-                self.nsa_kv_format,
-                attn_sink,
-                impl=impl,
-            )
-            out = o[:, 0]
+        # Only ragged top-k rows on a kernel with a ragged prefill entry use the gathered key
+        # buffer; every other batch that is not an even decode / verify batch (paged top-k of a
+        # mixed chunk or an uneven draft extend, paged-cache-only kernels) runs one decode row per
+        # query token on the paged cache.
+        token_rows = not ragged or impl in PAGED_ONLY_IMPLS
+        md = self.sparse_metadata(forward_batch, token_rows)
+        n = md.num_tokens
+        selection = self._selection(md, topk_indices[:n].to(torch.int32), ragged)
+        out = dsa_sparse_attention(
+            md,
+            q_all[:n],
+            self._attention_cache(layer, md.page_size),
+            selection,
+            layer.scaling,
+            kv_format=self.nsa_kv_format,
+            d_v=layer.v_head_dim,
+            attn_sink=attn_sink,
+            impl=impl,
+        )
         if total > n:  # DP / graph padding rows
             out = torch.cat([out, out.new_zeros(total - n, *out.shape[1:])])
         return out

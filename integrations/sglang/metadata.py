@@ -20,13 +20,17 @@ field                           shape / type               meaning
 ``max_seq_len_k``               int                        ``max(cache_seqlens_int32)``
 ``page_table_1``                ``[B or T, max_k]`` int32  cache slot of every key position
 ``real_page_table``             ``[B or T, pages]`` int32  page id of every page (rows per token in verify)
-``dsa_extend_seq_lens_list``    ``list[int]`` of ``B``     query tokens per request
+``dsa_extend_seq_lens_list``    ``list[int]`` of ``B``     query tokens of each request (see below)
 ``dsa_seqlens_expanded``        ``[T]`` int32              keys visible to each query token (causal)
 ``page_table_1_flattened``      ``[sum keys]`` int32       prefill with a cached prefix: slots of all keys
 ``indexer_k_start_end``         2 x ``[T]`` int32          prefill: window of each token in the key buffer
 ``indexer_seq_lens_cpu``        ``[B]`` int (CPU)          prefill: keys per request
 ``paged_mqa_schedule_metadata`` ``[num_sms + 1, 2]`` int32 decode / verify: paged-logits schedule
 ==============================  =========================  ==========================================
+
+The CUDA-graph metadata of a verify / draft-extend batch (SGLang's
+``_build_forward_metadata_cuda_graph``) lists ``dsa_extend_seq_lens_list`` per query token,
+``[1] * (B * next_n)``; it is read as ``next_n`` query tokens per request.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch
 
-from nsa_backend.metadata import DecodeBatch, PrefillBatch, SparseAttnMetadata
+from nsa_backend.metadata import DecodeBatch, PrefillBatch, SparseAttnMetadata, token_request_ids
 
 MODES: tuple[str, ...] = ("decode", "verify", "prefill")
 
@@ -82,22 +86,51 @@ def infer_mode(md: Any) -> str:
     return "prefill"
 
 
-def _query_lens(md: Any, num_reqs: int) -> list[int]:
+def _query_lens(md: Any, num_reqs: int, mode: str | None = None) -> list[int]:
+    """Query tokens per request.
+
+    SGLang's CUDA-graph metadata of a verify / draft-extend batch
+    (``DeepseekSparseAttnBackend._build_forward_metadata_cuda_graph``) lists one length of 1 per
+    query token, ``[1] * (B * next_n)``, instead of ``[next_n] * B``; in ``"verify"`` mode (and
+    when the mode is not known) such a list is read as ``next_n`` query tokens per request.
+    """
     q_lens = field(md, "dsa_extend_seq_lens_list")
     if q_lens is None:
         return [1] * num_reqs
-    return [int(n) for n in q_lens]
+    q_lens = [int(n) for n in q_lens]
+    count = len(q_lens)
+    if (
+        mode in (None, "verify")
+        and num_reqs
+        and count != num_reqs
+        and count % num_reqs == 0
+        and all(n == 1 for n in q_lens)
+    ):
+        return [count // num_reqs] * num_reqs
+    return q_lens
 
 
-def _prefill_batch(md: Any, q_lens: list[int], device: torch.device) -> PrefillBatch:
-    """Key buffer = the keys of every request in order; windows from the indexer's k range."""
+def _key_lens(md: Any) -> list[int]:
     seq_lens_cpu = field(md, "indexer_seq_lens_cpu")
     if seq_lens_cpu is None:
         seq_lens_cpu = md.cache_seqlens_int32.cpu()
-    seq_lens = [int(x) for x in torch.as_tensor(seq_lens_cpu).tolist()]
+    return [int(x) for x in torch.as_tensor(seq_lens_cpu).tolist()]
+
+
+def ragged_key_slots(md: Any, device: torch.device | None = None) -> torch.Tensor:
+    """Cache slots of SGLang's ragged key buffer: the keys of every request of a batch, in order.
+
+    A ``RAGGED`` top-k index is a row of this buffer. Returns ``[sum(seq_lens)]`` int64.
+    """
+    md = unwrap(md)
+    return _ragged_key_slots(md, _key_lens(md), device or md.cache_seqlens_int32.device)
+
+
+def _ragged_key_slots(md: Any, seq_lens: list[int], device: torch.device) -> torch.Tensor:
     flat = field(md, "page_table_1_flattened")
     if flat is None:
         table = md.page_table_1
+        q_lens = _query_lens(md, len(seq_lens))
         # A table expanded to one row per query token (draft extend) starts request r at this row.
         starts = [0]
         for n in q_lens[:-1]:
@@ -112,6 +145,12 @@ def _prefill_batch(md: Any, q_lens: list[int], device: torch.device) -> PrefillB
             if seq_lens
             else table.new_empty(0)
         )
+    return flat.to(device=device, dtype=torch.int64)
+
+
+def _prefill_batch(md: Any, q_lens: list[int], device: torch.device) -> PrefillBatch:
+    """Key buffer = the keys of every request in order; windows from the indexer's k range."""
+    seq_lens = _key_lens(md)
     k_range = field(md, "indexer_k_start_end")
     if k_range is not None and k_range[0] is not None:
         ks, ke = k_range
@@ -123,7 +162,7 @@ def _prefill_batch(md: Any, q_lens: list[int], device: torch.device) -> PrefillB
     return PrefillBatch(
         token_start=0,
         num_tokens=sum(q_lens),
-        key_slots=flat.to(device=device, dtype=torch.int64),
+        key_slots=_ragged_key_slots(md, seq_lens, device),
         cu_seq_len_k_start=ks.to(torch.int32),
         cu_seq_len_k_end=ke.to(torch.int32),
     )
@@ -150,10 +189,38 @@ def _decode_batch(md: Any, q_lens: list[int], device: torch.device) -> DecodeBat
     )
 
 
+def _token_decode_batch(md: Any, q_lens: list[int], device: torch.device) -> DecodeBatch:
+    """Every query token its own decode row (``next_n = 1``), reading the paged cache."""
+    num_reqs, num_tokens = len(q_lens), sum(q_lens)
+    table = md.real_page_table
+    rows = table.shape[0]
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    req_ids = token_request_ids(query_start_loc, num_tokens)
+    if rows == num_tokens and rows != num_reqs:  # expanded to one row per query token (draft extend)
+        req_ids = torch.arange(num_tokens, dtype=torch.int32, device=device)
+    elif rows != num_reqs and num_reqs and rows % num_reqs == 0:  # a fixed number of rows per request
+        req_ids = req_ids * (rows // num_reqs)
+    return DecodeBatch(
+        num_reqs=num_tokens,
+        next_n=1,
+        context_lens=field(md, "dsa_seqlens_expanded")[:num_tokens]
+        .to(device=device, dtype=torch.int32)
+        .reshape(num_tokens, 1),
+        block_table=table.to(device),
+        req_ids=req_ids,
+        max_context_len=int(md.max_seq_len_k),
+    )
+
+
 def to_sparse_attn_metadata(
     md: Any,
     mode: str | None = None,
     slot_mapping: torch.Tensor | None = None,
+    *,
+    token_rows: bool = False,
 ) -> SparseAttnMetadata:
     """Adapt an SGLang ``DSAMetadata`` / ``DSAIndexerMetadata`` (or ``NSA*``) object.
 
@@ -167,13 +234,19 @@ def to_sparse_attn_metadata(
     slot_mapping : torch.Tensor, optional
         ``[T]`` cache slots of this step's tokens (SGLang's ``forward_batch.out_cache_loc``);
         ``-1`` (no write) when omitted.
+    token_rows : bool
+        Describe a batch that is not an even decode / verify batch (prefill, mixed chunk, uneven
+        draft extend) as one decode row per query token (``decode`` with ``next_n = 1``) that reads
+        its selected keys from the paged cache, instead of ``prefill`` over a gathered key buffer.
 
     Returns
     -------
     SparseAttnMetadata
-        Decode and verify batches fill ``decode`` (``next_n`` = query tokens per request), prefill
-        batches fill ``prefill`` with the keys of every request in order (the layout of SGLang's
-        ragged key buffer, so a ragged top-k position is an index into ``prefill.key_slots``).
+        Decode and verify batches whose requests have the same number of query tokens fill
+        ``decode`` (``next_n`` = query tokens per request). Other batches fill ``decode`` with one
+        row per token when ``token_rows``, and ``prefill`` otherwise, with the keys of every request
+        in order (the layout of SGLang's ragged key buffer, so a ragged top-k position is an index
+        into ``prefill.key_slots``, see :func:`ragged_key_slots`).
     """
     md = unwrap(md)
     mode = mode or infer_mode(md)
@@ -181,7 +254,7 @@ def to_sparse_attn_metadata(
         raise ValueError(f"mode: expected one of {list(MODES)}, got {mode!r}")
     device = md.cache_seqlens_int32.device
     num_reqs = int(md.cache_seqlens_int32.shape[0])
-    q_lens = _query_lens(md, num_reqs)
+    q_lens = _query_lens(md, num_reqs, mode)
     if len(q_lens) != num_reqs:
         raise ValueError(
             f"{type(md).__name__}: {len(q_lens)} query lengths for {num_reqs} requests "
@@ -197,6 +270,8 @@ def to_sparse_attn_metadata(
     )
     if mode in ("decode", "verify") and len(set(q_lens)) <= 1:
         out.decode = _decode_batch(md, q_lens, device)
+    elif token_rows:
+        out.decode = _token_decode_batch(md, q_lens, device)
     else:
         out.prefill = _prefill_batch(md, q_lens, device)
     return out

@@ -1,7 +1,10 @@
 """nsa-backend's SGLang DSA backend on CPU against the real SGLang 0.5.23 metadata code.
 
 The ``DSAMetadata`` objects are built by SGLang's own ``DeepseekSparseAttnBackend.init_forward_metadata``
-for prefill (with a cached prefix), decode and MTP target-verify batches; only its Triton helper
+for prefill (with a cached prefix), mixed, decode and MTP target-verify batches (a draft extend with
+uneven accepted lengths is SGLang's prefill metadata with the page table expanded to one row per
+token, as SGLang builds it for draft extends), and by its CUDA-graph capture / replay path
+(``init_forward_metadata_out_graph``) for MTP target verify and draft extend v2; only its Triton helper
 ``seqlens_expand_triton`` is replaced by the same formula in torch and the DP / context-parallel
 padding helpers by their single-GPU answer. References are written out here in plain torch
 (FP8 cache decoding, top-k, softmax attention) and share no code with nsa-backend.
@@ -9,6 +12,7 @@ padding helpers by their single-GPU answer. References are written out here in p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from types import SimpleNamespace
 
@@ -129,6 +133,7 @@ def make_batch(mode: str, req_ids: list[int], seq_lens: list[int], ext_lens: lis
         "mixed": ForwardMode.MIXED,
         "decode": ForwardMode.DECODE,
         "verify": ForwardMode.TARGET_VERIFY,
+        "draft_extend": ForwardMode.EXTEND,  # metadata built as an extend, then expanded (see build)
     }[mode]
     kv_lens = [s + (DRAFT if mode == "verify" else 0) for s in seq_lens]
     out_loc = torch.cat(
@@ -145,7 +150,7 @@ def make_batch(mode: str, req_ids: list[int], seq_lens: list[int], ext_lens: lis
         global_num_tokens_cpu=None,
         attn_cp_metadata=None,
     )
-    if mode in ("prefill", "mixed"):
+    if mode in ("prefill", "mixed", "draft_extend"):
         fb.extend_seq_lens = torch.tensor(ext_lens, dtype=torch.int32)
         fb.extend_seq_lens_cpu = list(ext_lens)
         fb.extend_prefix_lens_cpu = [s - n for s, n in zip(seq_lens, ext_lens)]
@@ -158,6 +163,7 @@ BATCHES = {
     "mixed": ([1, 3], [70, 37], [1, 37]),  # mixed chunk: a decode token next to a prefill
     "decode": ([0, 2, 3], [130, 9, 64], [1, 1, 1]),
     "verify": ([2, 0], [100, 17], [DRAFT, DRAFT]),
+    "draft_extend": ([2, 0], [100, 17], [2, 3]),  # uneven accepted draft lengths
 }
 
 
@@ -166,6 +172,59 @@ def build(mode: str, fp8: bool = True):
     reqs, lens, ext = BATCHES[mode]
     fb = make_batch(mode, reqs, lens, ext, b.token_to_kv_pool)
     b.init_forward_metadata(fb)  # SGLang's own metadata builder
+    if mode == "draft_extend":
+        # A draft extend: page tables expanded to one row per query token, one query row per token,
+        # paged (slot) top-k; no ragged key buffer.
+        md = b.forward_metadata
+        rows = torch.tensor(ext)
+        b.forward_metadata = dataclasses.replace(
+            md,
+            page_table_1=md.page_table_1.repeat_interleave(rows, dim=0),
+            real_page_table=md.real_page_table.repeat_interleave(rows, dim=0),
+            cu_seqlens_q=torch.arange(sum(ext) + 1, dtype=torch.int32),
+            page_table_1_flattened=None,
+            topk_indices_offset=None,
+            indexer_k_start_end=None,
+        )
+        fb.forward_mode = ForwardMode.DRAFT_EXTEND_V2
+    return b, fb
+
+
+GRAPH_MODES = {"verify": ForwardMode.TARGET_VERIFY, "draft_extend_v2": ForwardMode.DRAFT_EXTEND_V2}
+
+
+def build_graph(graph_mode: str, fp8: bool = True):
+    """The ``"verify"`` batch through SGLang's CUDA-graph metadata path (``init_cuda_graph_state``,
+    then ``init_forward_metadata_out_graph`` once to capture the batch size on placeholder
+    requests, once more to replay it on the real ones), as SGLang's graph runners call it for MTP
+    target verify and draft extend v2. Only CUDA-bound pieces are stubbed: the memory-saver
+    region and the TRT-LLM counter buffer; ``is_cuda()`` is False on CPU, so SGLang takes its
+    unfused replay branch and skips the DeepGEMM schedule."""
+    b = make_backend(fp8)
+    b._memory_saver_adapter = SimpleNamespace(region=lambda **kwargs: contextlib.nullcontext())
+    b._multi_ctas_kv_counter_buffer = None
+    b.experimental_kpool_metadata_fusion = False
+    b.init_cuda_graph_state(len(PAGE_TABLES), len(PAGE_TABLES) * DRAFT)
+    reqs, lens, ext = BATCHES["verify"]
+    forward_mode = GRAPH_MODES[graph_mode]
+    # Draft extend v2 replays with seq_lens that already count the draft tokens.
+    extra = DRAFT if graph_mode == "draft_extend_v2" else 0
+    capture = SimpleNamespace(
+        forward_mode=forward_mode,
+        batch_size=len(reqs),
+        req_pool_indices=torch.zeros(len(reqs), dtype=torch.int64),
+        seq_lens=torch.ones(len(reqs), dtype=torch.int64),
+        spec_info=None,
+    )
+    b.init_forward_metadata_out_graph(capture, in_capture=True)
+    captured = b.forward_metadata
+    fb = make_batch("verify", reqs, lens, ext, b.token_to_kv_pool)
+    fb.forward_mode = forward_mode
+    fb.spec_info = None
+    fb.seq_lens = fb.seq_lens + extra
+    fb.seq_lens_cpu = fb.seq_lens_cpu + extra
+    b.init_forward_metadata_out_graph(fb)
+    assert b.forward_metadata is captured  # replay refills the captured buffers
     return b, fb
 
 
@@ -213,6 +272,74 @@ def test_adapter_on_sglang_metadata(mode):
         ]
         assert dec.block_table[:, :2].tolist() == [PAGE_TABLES[r][:2] for r in reqs]
         assert dec.req_ids.tolist() == [i for i in range(len(reqs)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("graph_mode", list(GRAPH_MODES))
+def test_adapter_on_sglang_graph_metadata(graph_mode):
+    """CUDA-graph verify / draft-extend metadata lists one query length of 1 per token."""
+    b, fb = build_graph(graph_mode)
+    sgl_md = b.forward_metadata
+    reqs, lens, _ = BATCHES["verify"]
+    bs, n = len(reqs), DRAFT
+    assert sgl_md.dsa_extend_seq_lens_list == [1] * (bs * n)
+    assert sgl_md.cache_seqlens_int32.shape == (bs,)
+    tokens = keys_per_token("verify")
+    for md in (
+        to_sparse_attn_metadata(sgl_md, "verify", fb.out_cache_loc),
+        to_sparse_attn_metadata(b.get_indexer_metadata(0, fb), slot_mapping=fb.out_cache_loc),
+        b.sparse_metadata(fb),
+    ):
+        assert md.prefill is None and md.num_tokens == bs * n
+        assert torch.equal(md.slot_mapping, fb.out_cache_loc)
+        dec = md.decode
+        assert (dec.num_reqs, dec.next_n) == (bs, n)
+        # row j of request r sees seq_len[r] - next_n + j + 1 keys (seq_len counting the drafts)
+        assert dec.context_lens.tolist() == [[v for _, v in tokens[i * n : (i + 1) * n]] for i in range(bs)]
+        assert dec.context_lens.tolist() == [[s + j + 1 for j in range(n)] for s in lens]
+        assert dec.block_table[:, :2].tolist() == [PAGE_TABLES[r][:2] for r in reqs]
+        assert dec.row_block_table()[:, :2].tolist() == [PAGE_TABLES[r][:2] for r in reqs]
+        assert dec.req_ids.tolist() == [i for i in range(bs) for _ in range(n)]
+        assert dec.max_context_len >= max(v for _, v in tokens)
+    # Other batch kinds keep rejecting a per-token list.
+    with pytest.raises(ValueError, match="query lengths"):
+        to_sparse_attn_metadata(sgl_md, "prefill")
+
+
+@pytest.mark.parametrize("mode", ["prefill", "mixed", "draft_extend"])
+def test_adapter_token_rows(mode):
+    """Batches other than even decode / verify ones, one decode row per query token."""
+    b, fb = build(mode)
+    sgl_mode = "verify" if mode == "draft_extend" else "prefill"
+    md = to_sparse_attn_metadata(b.forward_metadata, sgl_mode, fb.out_cache_loc, token_rows=True)
+    tokens = keys_per_token(mode)
+    T = len(tokens)
+    assert md.prefill is None and md.num_tokens == T
+    dec = md.decode
+    assert (dec.num_reqs, dec.next_n, dec.num_tokens) == (T, 1, T)
+    assert dec.context_lens.tolist() == [[v] for _, v in tokens]
+    assert dec.max_context_len >= max(v for _, v in tokens)
+    table = dec.row_block_table()
+    pages = table.shape[1]
+    assert pages * PAGE >= max(v for _, v in tokens)
+    assert table.tolist() == [PAGE_TABLES[r][:pages] for r, _ in tokens]
+    if mode == "draft_extend":
+        assert to_sparse_attn_metadata(b.forward_metadata, sgl_mode).prefill is not None
+    # Even decode / verify batches keep one row per request.
+    for even in ("decode", "verify"):
+        b, fb = build(even)
+        md = to_sparse_attn_metadata(b.forward_metadata, even, token_rows=True)
+        assert md.decode.next_n == BATCHES[even][2][0] and md.decode.num_reqs == len(BATCHES[even][0])
+
+
+def test_prefill_metadata_built_once_per_batch():
+    b, fb = build("prefill")
+    md = b.sparse_metadata(fb)
+    assert b.sparse_metadata(fb) is md  # shared by the layers of one batch
+    assert b.sparse_metadata(fb, token_rows=True).decode is not None
+    # The next batch (a new metadata object, with other keys) gets its own.
+    b.forward_metadata = dataclasses.replace(b.forward_metadata, page_table_1_flattened=None)
+    other = b.sparse_metadata(fb)
+    assert other is not md and torch.equal(other.prefill.key_slots, md.prefill.key_slots)
 
 
 def test_adapter_accepts_indexer_and_nsa_names():
@@ -297,7 +424,7 @@ def _fill_prefix(b, mode, gen):
     reqs, lens, ext = BATCHES[mode]
     pool = b.token_to_kv_pool
     for r, s, n in zip(reqs, lens, ext):
-        old = s - n if mode in ("prefill", "mixed") else s - (0 if mode == "verify" else 1)
+        old = s - n if mode in ("prefill", "mixed", "draft_extend") else s - (0 if mode == "verify" else 1)
         if old <= 0:
             continue
         slots = pool.req_to_token[r, :old].long()
@@ -315,23 +442,42 @@ def _fill_prefix(b, mode, gen):
         pytest.param("prefill", False, False, id="prefill-bf16"),
         # prefill through a paged-cache-only kernel (FlashInfer's path), here on the reference op
         pytest.param("prefill", True, True, id="prefill-fp8_ds_mla-paged"),
+        pytest.param("prefill", False, True, id="prefill-bf16-paged"),
         pytest.param("mixed", True, False, id="mixed-fp8_ds_mla"),
+        pytest.param("mixed", False, False, id="mixed-bf16"),
+        pytest.param("draft_extend", True, False, id="draft_extend-fp8_ds_mla"),
+        pytest.param("draft_extend", False, False, id="draft_extend-bf16"),
         pytest.param("decode", True, False, id="decode-fp8_ds_mla"),
         pytest.param("decode", False, False, id="decode-bf16"),
         pytest.param("verify", True, False, id="verify-fp8_ds_mla"),
         pytest.param("verify", False, False, id="verify-bf16"),
+        # SGLang's CUDA-graph metadata (captured, then replayed) for MTP verify / draft extend v2
+        pytest.param("verify", True, "verify", id="verify-graph-fp8_ds_mla"),
+        pytest.param("verify", False, "verify", id="verify-graph-bf16"),
+        pytest.param("verify", True, "draft_extend_v2", id="draft_extend_v2-graph-fp8_ds_mla"),
     ],
 )
 def test_forward_matches_reference(mode, fp8, paged_prefill, monkeypatch):
-    b, fb = build(mode, fp8)
+    # ``paged_prefill``: True for the paged-only prefill kernel; a graph mode name for graph metadata.
+    graph_mode = paged_prefill if isinstance(paged_prefill, str) else None
+    paged_prefill = paged_prefill is True
+    b, fb = build_graph(graph_mode, fp8) if graph_mode else build(mode, fp8)
     if paged_prefill:
         monkeypatch.setattr(backend_module, "PAGED_ONLY_IMPLS", frozenset({"reference"}))
         b.nsa_prefill_impl = "reference"
+    calls = []
+    core_attention = backend_module.dsa_sparse_attention
+
+    def spy(md, q, kv_cache, selection, *args, **kwargs):
+        calls.append((md, selection))
+        return core_attention(md, q, kv_cache, selection, *args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "dsa_sparse_attention", spy)
     gen = torch.Generator().manual_seed(11)
     _fill_prefix(b, mode, gen)
     tokens = keys_per_token(mode)
     T = len(tokens)
-    if mode == "verify":  # the draft tokens' KV is written by the draft step, before verify
+    if mode in ("verify", "draft_extend"):  # the draft tokens' KV is written by the draft step
         kv = torch.randn(T, D_QK, generator=gen).to(torch.bfloat16)
         if fp8:
             nsa_backend.write_fp8_ds_mla_cache(
@@ -361,7 +507,7 @@ def test_forward_matches_reference(mode, fp8, paged_prefill, monkeypatch):
     else:
         topk = im.topk_transform(torch.randn(T, MAX_CTX, generator=gen), TOPK)
 
-    write = mode != "verify"
+    write = mode not in ("verify", "draft_extend")
     args = dict(q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
     k_in, v_in = (k_nope, k_nope) if write else (None, None)
     if mode == "decode":
@@ -369,6 +515,19 @@ def test_forward_matches_reference(mode, fp8, paged_prefill, monkeypatch):
     else:
         out = b.forward_extend(q_nope, k_in, v_in, layer, fb, **args)
     assert out.shape == (T, HEADS, D_V) and out.dtype == torch.bfloat16
+
+    # Every batch runs the core pipeline once; all but ragged prefill on a kernel with a ragged
+    # entry, and even decode / verify batches, as one decode row per query token.
+    assert len(calls) == 1
+    md_core, selection = calls[0]
+    if mode == "prefill" and not paged_prefill:
+        assert md_core.decode is None and md_core.prefill.num_tokens == T
+        assert selection.prefill_keys is not None
+    elif mode in ("decode", "verify"):
+        assert md_core.prefill is None and md_core.decode.num_reqs == len(BATCHES[mode][0])
+    else:
+        assert md_core.prefill is None and selection.prefill_keys is None
+        assert (md_core.decode.num_reqs, md_core.decode.next_n) == (T, 1)
 
     # This step's keys landed in their slots (dequantised within e4m3 precision).
     if write:
@@ -419,9 +578,9 @@ def _read_index_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return vals.view(torch.float8_e4m3fn).float() * scales
 
 
-@pytest.mark.parametrize("mode", ["decode", "verify"])
-def test_sglang_indexer_runs_on_routed_ops(mode, monkeypatch):
-    b, fb = build(mode)
+@pytest.mark.parametrize("mode, graph_mode", [("decode", None), ("verify", None), ("verify", "verify")])
+def test_sglang_indexer_runs_on_routed_ops(mode, graph_mode, monkeypatch):
+    b, fb = build_graph(graph_mode) if graph_mode else build(mode)
     assert dsa_indexer.resolve_fp8_paged_mqa_logits_fn() is kernels.fp8_paged_mqa_logits
     assert dsa_indexer.resolve_fp8_mqa_logits_fn() is kernels.fp8_mqa_logits
     assert sgl_dsa.resolve_paged_mqa_logits_metadata_fn() is kernels.get_paged_mqa_logits_metadata
