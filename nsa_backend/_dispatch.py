@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from nsa_backend import envs
-
 IMPL_NAMES: tuple[str, ...] = ("auto", "reference", "triton", "deep_gemm", "flash_mla", "flashinfer")
 
 _REF = "nsa_backend.reference"
@@ -136,18 +134,8 @@ def get_impl(op: str, impl: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), func)
 
 
-def _fallback_select(op: str, requested: str, features: dict[str, Any]) -> str:
-    """Selection used when the routing package is not importable: Triton on GPU, reference on CPU."""
-    if requested != "auto":
-        return requested
-    device: torch.device = features["device"]
-    if device.type == "cuda" and "triton" in available_impls(op):
-        return "triton"
-    return "reference"
-
-
 def resolve_impl(op: str, impl: str, features: dict[str, Any]) -> str:
-    """Validate ``impl`` for ``op`` and resolve ``"auto"`` to a concrete implementation name.
+    """Validate the name ``impl`` for ``op`` and resolve it with :func:`nsa_backend.routing.select_impl`.
 
     ``features`` carries ``device`` plus the shape features the capability table looks at.
     """
@@ -158,16 +146,7 @@ def resolve_impl(op: str, impl: str, features: dict[str, Any]) -> str:
     if impl != "auto" and impl not in IMPLEMENTATIONS[op]:
         raise ValueError(f"impl: {op} has no {impl!r} implementation; available: "
                          f"{['auto', *IMPLEMENTATIONS[op]]}")
-    try:
-        from nsa_backend.routing import select_impl
-    except ImportError:
-        select_impl = _fallback_select
-    chosen = select_impl(op, impl, features)
-    if chosen == "triton":
-        device: torch.device = features["device"]
-        if device.type != "cuda" and not envs.triton_interpret():
-            raise ValueError(f"impl: 'triton' for {op} needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
-                             f"interpreter), got tensors on {device}")
-        if not _module_present(IMPLEMENTATIONS[op]["triton"].split(":")[0]):
-            raise ValueError(f"impl: {op} has no Triton kernel in this installation")
-    return chosen
+    # Routing checks the rest (CPU tensors, the interpreter, installed kernels, natives, shapes).
+    from nsa_backend.routing import select_impl
+
+    return select_impl(op, impl, features)

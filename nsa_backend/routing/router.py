@@ -20,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from nsa_backend import envs
 from nsa_backend.routing import capabilities as caps
 from nsa_backend.routing.config import Config, get_config
 from nsa_backend.routing.device import detect_arch
@@ -112,17 +112,11 @@ def active_model() -> str | None:
     return _active_model
 
 
-def _triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 @functools.cache
 def _implemented(op: str) -> tuple[str, ...]:
     """Implementations of ``op`` present in this installation (Triton only when its module exists)."""
-    try:
-        from nsa_backend import _dispatch
-    except ImportError:  # pragma: no cover - the dispatch table ships with the package
-        return ("reference", *caps.impls_with_rows(op))
+    from nsa_backend import _dispatch
+
     table = _dispatch.IMPLEMENTATIONS.get(op)
     if table is None:
         raise ValueError(f"unknown op {op!r}; known ops: {list(caps.OPS)}")
@@ -138,7 +132,7 @@ def valid_impls(op: str, arch: str, features: Mapping[str, Any],
         if impl == "reference":
             continue
         if arch == "cpu":
-            if impl == "triton" and _triton_interpret():
+            if impl == "triton" and envs.triton_interpret():
                 out.append(impl)
             continue
         if caps.evaluate(op, impl, arch, features, natives).ok:
@@ -168,7 +162,7 @@ def decide(op: str, requested: str, arch: str, features: Mapping[str, Any], *, m
             raise _reject(op, requested, arch, f"nsa-backend has no {requested} implementation of {op}",
                           features, natives)
         if arch == "cpu":
-            if requested == "triton" and _triton_interpret():
+            if requested == "triton" and envs.triton_interpret():
                 return Decision(op, "triton", "impl argument", "Triton CPU interpreter (TRITON_INTERPRET=1)")
             raise _reject(op, requested, arch, f"{requested} needs a GPU and the tensors are on the CPU",
                           features, natives)
@@ -255,7 +249,8 @@ def select_impl(op: str, requested: str, features: Mapping[str, Any]) -> str:
     arch = features.get("arch") or _arch_of(features.get("device"))
     model = features.get("model", _active_model)
     shape = caps.SHAPE_FEATURES.get(op)
-    key = (op, requested, arch, model, tuple(features.get(k) for k in shape) if shape else None)
+    key = (op, requested, arch, model, tuple(features.get(k) for k in shape) if shape else None,
+           arch == "cpu" and envs.triton_interpret())  # the CPU route depends on the interpreter switch
     impl = _cache.get(key)
     if impl is not None:
         stats.hits += 1
