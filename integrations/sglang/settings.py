@@ -67,18 +67,9 @@ def _config_table(path: str | None) -> Mapping[str, Any]:
     """The ``[sglang]`` table of the config file (empty when there is none)."""
     if not path:
         return {}
-    try:
-        import tomllib
-    except ImportError:  # Python < 3.11
-        import tomli as tomllib
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f).get("sglang", {})
-    except FileNotFoundError:
-        raise ValueError(f"{path}: config file not found (from {envs.CONFIG})") from None
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: [sglang] must be a table with keys {list(KEYS)}")
-    return table
+    from nsa_backend.routing.config import load_config
+
+    return load_config(path).integrations.get("sglang", {})
 
 
 def load_settings(path: str | None = None, overrides: Mapping[str, Any] | None = None) -> SglangSettings:

@@ -26,11 +26,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
-
-from nsa_backend import envs
 
 logger = logging.getLogger("nsa_backend.vllm")
 
@@ -89,18 +86,9 @@ def _parse_mode(value: Any, source: str) -> str:
 
 def _config_table() -> Mapping[str, Any]:
     """The ``[vllm]`` table of the file named by ``NSA_BACKEND_CONFIG`` (empty when there is none)."""
-    path = envs.get(envs.CONFIG)
-    if not path:
-        return {}
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
-    with open(path, "rb") as f:
-        table = tomllib.load(f).get("vllm", {})
-    if not isinstance(table, Mapping):
-        raise ValueError(f"{path}: [vllm] must be a table, got {type(table).__name__}")
-    return table
+    from nsa_backend.routing.config import load_config
+
+    return load_config().integrations.get("vllm", {})
 
 
 def load_settings(overrides: Mapping[str, Any] | None = None) -> VllmSettings:

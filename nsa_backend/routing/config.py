@@ -68,6 +68,8 @@ class Config:
     force_arch: str | None = None
     force_arch_source: str | None = None
     log_level: str = "warning"
+    integrations: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """The ``[sglang]`` / ``[vllm]`` tables as read; each integration validates its own keys."""
 
     def choice(self, family: str, arch: str | None = None, model: str | None = None) -> tuple[str, str]:
         """``(implementation, where it came from)`` for an op family on ``arch`` running ``model``."""
@@ -171,6 +173,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     defaults: dict[str, str] = {}
     arch: dict[str, dict[str, str]] = {}
     model: dict[str, dict[str, str]] = {}
+    integrations: dict[str, dict[str, Any]] = {}
     path_str = None
     if path is not None:
         path_str = os.fspath(path)
@@ -182,6 +185,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path_str}: not valid TOML: {exc}") from None
         defaults, arch, model = parse_config(data, path_str)
+        integrations = {name: data[name] for name in INTEGRATION_SECTIONS if name in data}
     env, env_force, env_level = _read_env()
     force, force_source = None, None
     if env_force is not None:
@@ -191,7 +195,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     level = env_level or defaults.get("log_level", "warning")
     family_defaults = {k: v for k, v in defaults.items() if k in FAMILIES}
     return Config(path=path_str, defaults=family_defaults, arch=arch, model=model, env=env,
-                  force_arch=force, force_arch_source=force_source, log_level=level)
+                  force_arch=force, force_arch_source=force_source, log_level=level, integrations=integrations)
 
 
 _lock = threading.Lock()
