@@ -191,14 +191,14 @@ def dsa_sparse_attention(
         ``[T, h_q, d_v]`` ``bfloat16``.
     """
     T, h_q, d_qk = q.shape
-    out = torch.zeros(T, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+    parts: list[tuple[slice, torch.Tensor]] = []  # (token rows, their output)
     dec = md.decode
     if dec is not None and dec.num_reqs:
         rows = slice(0, dec.num_tokens)
         idx = selection.global_slots[rows].view(dec.num_reqs, dec.next_n, -1)
         q_dec = q[rows].reshape(dec.num_reqs, dec.next_n, h_q, d_qk)
         o, _ = sparse_mla_decode(q_dec, kv_cache, idx, sm_scale, d_v, kv_format, attn_sink, impl=impl)
-        out[rows] = o.view(dec.num_tokens, h_q, d_v)
+        parts.append((rows, o.view(dec.num_tokens, h_q, d_v)))
     pre = md.prefill
     if pre is not None and pre.num_tokens:
         rows = slice(pre.token_start, pre.token_start + pre.num_tokens)
@@ -209,6 +209,11 @@ def dsa_sparse_attention(
             keys = selection.prefill_keys
         o, _, _ = flash_mla_sparse_fwd(q[rows].contiguous(), kv, keys[:, None, :], sm_scale,
                                        d_v, attn_sink, impl=impl)
+        parts.append((rows, o))
+    if len(parts) == 1 and parts[0][1].shape[0] == T:
+        return parts[0][1]  # one phase covers the batch (every pure decode step): no extra copy
+    out = torch.zeros(T, h_q, d_v, dtype=torch.bfloat16, device=q.device)  # rows of no phase stay 0
+    for rows, o in parts:
         out[rows] = o
     return out
 
