@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from nsa_backend.routing.router import select_impl
+
 IMPL_NAMES: tuple[str, ...] = ("auto", "reference", "triton", "deep_gemm", "flash_mla", "flashinfer")
 
 _REF = "nsa_backend.reference"
@@ -147,6 +149,4 @@ def resolve_impl(op: str, impl: str, features: dict[str, Any]) -> str:
         raise ValueError(f"impl: {op} has no {impl!r} implementation; available: "
                          f"{['auto', *IMPLEMENTATIONS[op]]}")
     # Routing checks the rest (CPU tensors, the interpreter, installed kernels, natives, shapes).
-    from nsa_backend.routing import select_impl
-
     return select_impl(op, impl, features)
