@@ -106,17 +106,20 @@ def run(quick: bool, limits: dict[str, float | None]) -> list[dict[str, Any]]:
 
 
 def sweep(quick: bool = False) -> list[dict[str, Any]]:
-    """Time candidate ``TopkConfig`` values at one decode and one prefill shape."""
-    from nsa_backend.configs.topk import TopkConfig
+    """Time candidate whole-row (``RowConfig``) and split-path (``TopkConfig``) launch configurations
+    at one decode and one prefill shape (decode ones as CUDA-graph replays)."""
+    from nsa_backend.configs.topk import RowConfig, TopkConfig
     from nsa_backend.kernels import topk as kt
 
+    candidates = (RowConfig(2048, 8, 2, prefetch=True), RowConfig(2048, 8, 1, prefetch=True),
+                  RowConfig(2048, 8, 2), RowConfig(4096, 16, 1, prefetch=True), TopkConfig(1024, 4),
+                  TopkConfig(4096, 8))
     rows = []
     for kind, R, N, next_n in (("paged", 128, 65536, 1), ("ragged", 4096, 32768, 1)):
         logits, ends = inputs(kind, R, N, next_n)
-        for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
-            cfg = TopkConfig(block, warps)
+        for cfg in candidates[::3] if quick else candidates:
             ms, note = _time(lambda cfg=cfg, a=(logits, TOPK, None, ends):
-                             kt.topk_indices_triton(*a, config=cfg))
+                             kt.topk_indices_triton(*a, config=cfg), graph=kind == "paged")
             rows.append(_row("topk_indices", {"rows": R, "N": N, "kind": kind}, f"triton[{cfg}]", ms,
                              float(logits.numel() * 4), note))
     return rows

@@ -1,12 +1,18 @@
 """Launch configurations of the top-k kernels (``nsa_backend/kernels/topk.py``).
 
-Top-k runs as four launches over rows of ``N`` columns (see the kernel module): two 256-bin
-histogram passes (key bits 31..24, then 23..16) and a filter pass, each row split over
-:func:`row_split` programs streaming tiles of ``block`` elements, then one program per row that
-resolves the last 16 bits among at most :func:`candidate_capacity` candidates.
+:func:`use_row_path` chooses between the two paths of the kernel module:
 
-No tile lives in shared memory beyond the histograms and scan scratch, so one configuration
-fits every architecture.
+- whole-row path (``topk <= ROW_MAX_TOPK``, except many rows of at most ``SPLIT_MAX_N``
+  columns): one launch, :func:`row_config` gives the :class:`RowConfig` (tile size, warps,
+  persistent programs per SM, prefetch). Rows longer than :func:`row_capacity` are resolved from
+  a bound sampled on :func:`row_sample` keys;
+- split path: four launches, two 256-bin histogram passes and a filter pass, each row split over
+  :func:`row_split` programs streaming tiles of ``block`` elements, then one program per row that
+  resolves the last 16 bits among at most :func:`candidate_capacity` candidates
+  (:class:`TopkConfig`, :func:`topk_config`).
+
+No tile lives in shared memory beyond reduction / scan scratch and histograms, so one
+configuration fits every architecture.
 """
 
 from __future__ import annotations
@@ -38,6 +44,60 @@ TOPK_CONFIGS: tuple[tuple[int, TopkConfig], ...] = (
     (0, TopkConfig(4096, 8)),
 )
 
+# Whole-row path: one program resolves whole rows. Rows longer than the capacity keep the keys
+# above a bound taken from row_sample(...) evenly spaced keys, placed ROW_SIGMAS standard
+# deviations of the sampled rank on the safe side (so that at least topk keys lie above it).
+ROW_MAX_TOPK = 2048
+ROW_MIN_CAPACITY = 4096
+ROW_MAX_SAMPLE = 4096
+ROW_SIGMAS = 4.0
+# Many rows (at least SPLIT_MIN_ROWS) of at most SPLIT_MAX_N columns run the split path, which
+# spreads each row over several programs (H200, 4096 rows, topk 2048: split 0.41 / 0.83 / 1.61 ms
+# at 8K / 16K / 32K columns against 0.81 / 1.13 / 1.64 ms whole-row; 3.13 against 2.65 ms at 64K).
+SPLIT_MIN_ROWS = 1024
+SPLIT_MAX_N = 32768
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    block: int  # elements per streamed tile
+    num_warps: int
+    programs_per_sm: int  # persistent programs per SM (each loops over rows)
+    capacity: int = 0  # rows up to this length resolve in registers (0: row_capacity(topk))
+    prefetch: bool = False  # load the next tile before processing the current one
+
+
+# H200 sweep of tile / warps / prefetch at 128 and 256 decode rows of 4K..64K columns and 4096
+# rows of 64K: 2048 / 8 warps with prefetch was the best or within a few percent of it everywhere.
+ROW_CONFIG = RowConfig(2048, 8, 2, prefetch=True)
+
+
+def use_row_path(n: int, rows: int, topk: int) -> bool:
+    """Whether ``rows`` rows of ``n`` columns run the whole-row path (else the split path)."""
+    return topk <= ROW_MAX_TOPK and not (rows >= SPLIT_MIN_ROWS and n <= SPLIT_MAX_N)
+
+
+def row_config(n: int, rows: int) -> RowConfig:
+    """Whole-row configuration for ``rows`` rows of ``n`` columns."""
+    return ROW_CONFIG
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def row_capacity(topk: int, cfg: RowConfig | None = None) -> int:
+    """Keys a program keeps per row: rows up to this length are resolved without sampling."""
+    if cfg is not None and cfg.capacity:
+        return cfg.capacity
+    return max(ROW_MIN_CAPACITY, _next_pow2(2 * topk))
+
+
+def row_sample(cap: int) -> int:
+    """Keys sampled per long row (runs of 8 consecutive keys)."""
+    return max(8, min(cap, ROW_MAX_SAMPLE))
+
+
 # logical_to_global_indices: elements per program and warps.
 L2G_BLOCK = 1024
 L2G_NUM_WARPS = 4
@@ -63,3 +123,7 @@ def candidate_capacity(n: int) -> int:
 
 def shipped_configs() -> list[TopkConfig]:
     return [cfg for _, cfg in TOPK_CONFIGS]
+
+
+def shipped_row_configs() -> list[RowConfig]:
+    return [ROW_CONFIG]

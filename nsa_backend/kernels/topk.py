@@ -7,20 +7,39 @@ bits (NaN above ``+inf``, as ``torch.topk``; ``-inf`` is a valid value):
 
     key = ~bits  if the sign bit is set  else  bits | 0x80000000
 
+Each row gets exactly ``topk`` indices, ties included: the keys above the ``topk``-th largest key
+and the first of those equal to it (the order inside a row, and which of several equal keys are
+taken, may vary between runs).
+
+Whole-row path (one launch; ``nsa_backend.configs.topk.use_row_path`` picks it for
+``topk <= ROW_MAX_TOPK`` except many rows of at most ``SPLIT_MAX_N`` columns):
+``_topk_row_kernel`` runs a persistent grid whose programs take whole rows.
+
+- Rows of at most ``CAP`` valid columns are loaded into registers once; the ``topk``-th largest
+  key is found bit by bit (count of keys >= a trial value, one reduction per bit below the
+  common prefix of the row's smallest and largest key) and the selected columns are compacted
+  with one scan.
+- Longer rows: a lower bound is taken from ``SAMPLE`` evenly spaced keys (runs of 8 consecutive
+  columns): the sampled key whose rank lies ``SIGMAS`` standard deviations above the expected
+  rank of the ``topk``-th key, cut to its top 16 bits. The row is streamed once (the next tile's
+  load in flight with ``PREFETCH``); keys at or above the bound (at most ``CAP``) are compacted by
+  a scan per tile into the program's scratch slab and resolved in registers as above. When the
+  bound misses (fewer than ``topk`` or more than ``CAP`` keys above it, e.g. with massive ties)
+  the row is resolved by a streaming radix select with 8-bit digits on the full key, stopping
+  once the matching bucket holds exactly the number still needed.
+
+Split path (four launches; larger ``topk``, and many rows of at most ``SPLIT_MAX_N`` columns):
+
 1. ``_topk_histogram_kernel`` (twice): 256-bin histogram of key bits 31..24, then of bits 23..16
    among the keys whose bits 31..24 are the digit holding the ``topk``-th key; a row is split over
    ``SPLIT`` programs that add their partial histograms with atomics.
 2. ``_topk_filter_kernel``: keys whose top 16 bits exceed that 16-bit threshold prefix go straight
-   to the output, keys with the prefix to a candidate list (slots reserved with an atomic counter,
-   so the order inside a row varies between runs).
+   to the output, keys with the prefix to a candidate list (slots reserved with an atomic counter).
 3. ``_topk_finish_kernel``: radix select with 8-bit digits on bits 15..0 among the candidates (or
-   among the whole row when the prefix overflowed the list, e.g. with massive ties), stopping
-   once the matching bucket holds exactly the number still needed, then writes the keys above the
-   threshold and the first ``needed`` keys equal to it. Each row gets exactly ``topk`` indices,
-   ties included.
+   among the whole row when the prefix overflowed the list), then writes the keys above the
+   threshold and the first ``needed`` keys equal to it.
 
-The row is streamed three times (mostly from L2 after the first); only the candidates are read
-again. No host synchronisation; temporary buffers are sized by shapes only.
+No host synchronisation; temporary buffers are sized by shapes only.
 
 ``logical_to_global_indices``: element-wise; ``slot = block_table[req, pos // page] * page +
 pos % page``; ``-1`` for negative positions, pages past the table and negative table entries.
@@ -261,6 +280,170 @@ def _topk_finish_kernel(
             n_eq += tl.sum(m_eq.to(tl.int32), axis=0)
 
 
+@triton.jit
+def _topk_kth_key(b_key, m_key, k, LOW: tl.constexpr):
+    # the k-th largest masked key (needs k <= masked count) with its lowest LOW bits cleared: the
+    # largest t (a multiple of 2**LOW) with at least k masked keys >= t, found bit by bit (one
+    # reduction each) below the common prefix of the masked keys' minimum and maximum
+    k_min = tl.min(tl.where(m_key, b_key, 0xFFFFFFFF), axis=0)
+    k_max = tl.max(tl.where(m_key, b_key, 0), axis=0)
+    diff = k_min ^ k_max
+    # bits below the common prefix: exponent of diff as a float, + 1 (rounding up only adds a bit)
+    nb = tl.where(diff == 0, 0, ((diff.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32))
+    nb = tl.maximum(tl.minimum(nb, 32), LOW)
+    low = ((tl.full([], 1, tl.uint32) << (tl.maximum(nb, 1) - 1).to(tl.uint32)) - 1) * 2 + 1
+    t = tl.where(nb == 0, k_min, k_min & ~low)
+    for i in range(0, nb - LOW):
+        c = t | (tl.full([], 1, tl.uint32) << (nb - 1 - i).to(tl.uint32))
+        n_ge = tl.sum((m_key & (b_key >= c)).to(tl.int32), axis=0)
+        t = tl.where(n_ge >= k, c, t)
+    return t
+
+
+@triton.jit
+def _topk_emit(b_key, m_key, b_col, k, p_out):
+    # write the columns of the k largest masked keys (k <= masked count < 2**16) to p_out[0, k):
+    # keys above the k-th largest, then the first of those equal to it
+    t = _topk_kth_key(b_key, m_key, k, 0)
+    m_gt = m_key & (b_key > t)
+    m_eq = m_key & (b_key == t)
+    n_gt = tl.sum(m_gt.to(tl.int32), axis=0)
+    # both ranks from one scan: greater-than count in the low 16 bits, equal count above
+    b_c = tl.cumsum(m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16), axis=0)
+    c_eq = b_c >> 16
+    m_sel = m_gt | (m_eq & (n_gt + c_eq <= k))
+    tl.store(p_out + tl.where(m_gt, b_c & 0xFFFF, n_gt + c_eq) - 1, b_col, mask=m_sel)
+
+
+@triton.jit
+def _topk_stream_select(p_x, p_out, lo, hi, K, BLOCK: tl.constexpr):
+    # exact top-K of columns [lo, hi) of one row straight from the logits: radix select with 8-bit
+    # digits (stopping once the matching bucket holds exactly the number still needed), then
+    # keys above the threshold and the first `need` keys equal to it go to the output
+    o_b = tl.arange(0, BLOCK)
+    o_bin = tl.arange(0, 256)
+    prefix = tl.full([], 0, tl.uint32)
+    keep = tl.full([], 0, tl.uint32)
+    need = K
+    shift = tl.full([], 32, tl.uint32)
+    go = K > 0
+    while go:
+        shift -= 8
+        b_hist = tl.zeros([256], dtype=tl.int32)
+        for t0 in range(lo, hi, BLOCK):
+            o_t = t0 + o_b
+            m_t = o_t < hi
+            b_key = _topk_ordered_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+            m_c = m_t & ((b_key & keep) == prefix)
+            b_hist += tl.histogram(tl.where(m_c, ((b_key >> shift) & 0xFF).to(tl.int32), 0), 256)
+            b_hist -= tl.where(o_bin == 0, BLOCK - tl.sum(m_c.to(tl.int32), axis=0), 0)
+        b_suffix = tl.sum(b_hist, axis=0) - tl.cumsum(b_hist, axis=0) + b_hist
+        d = tl.max(tl.where(b_suffix >= need, o_bin, -1), axis=0)
+        need -= tl.sum(tl.where(o_bin > d, b_hist, 0), axis=0)
+        in_d = tl.sum(tl.where(o_bin == d, b_hist, 0), axis=0)
+        prefix |= d.to(tl.uint32) << shift
+        keep |= tl.full([], 0xFF, tl.uint32) << shift
+        go = (shift > 0) & (in_d != need)
+    k_gt = K - need
+    n_gt = 0
+    n_eq = 0
+    for t0 in range(lo, hi, BLOCK):
+        o_t = t0 + o_b
+        m_t = o_t < hi
+        b_key = _topk_ordered_key(tl.load(p_x + o_t, mask=m_t, other=0.0)) & keep
+        m_gt = m_t & (b_key > prefix)
+        m_eq = m_t & (b_key == prefix)
+        # both ranks from one scan: greater-than count in the low 16 bits, equal count above
+        b_c = tl.cumsum(m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16), axis=0)
+        c_gt = b_c & 0xFFFF
+        c_eq = b_c >> 16
+        tl.store(p_out + n_gt + c_gt - 1, o_t, mask=m_gt)
+        r_eq = n_eq + c_eq - 1
+        tl.store(p_out + k_gt + r_eq, o_t, mask=m_eq & (r_eq < need))
+        n_gt += tl.sum(m_gt.to(tl.int32), axis=0)
+        n_eq += tl.sum(m_eq.to(tl.int32), axis=0)
+
+
+@_row_window_flags
+@triton.jit(do_not_specialize=["R", "N", "K"])
+def _topk_row_kernel(
+    x_ptr,
+    out_ptr,
+    scratch_ptr,
+    starts_ptr,
+    ends_ptr,
+    R,
+    N,
+    K,
+    stride_x,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    SIGMAS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    HAS_ENDS: tl.constexpr,
+):
+    # one program selects whole rows i_p, i_p + G, ...; see the module docstring
+    i_p = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    o_c = tl.arange(0, CAP)
+    o_b = tl.arange(0, BLOCK)
+    o_s = tl.arange(0, SAMPLE)
+    p_sk = scratch_ptr + i_p.to(tl.int64) * (2 * CAP)  # keys of a long row's candidates
+    p_si = p_sk + CAP  # their columns
+    for i_r in range(i_p, R, n_prog):
+        lo, hi = _topk_row_window(starts_ptr, ends_ptr, i_r, N, HAS_STARTS, HAS_ENDS)
+        n = hi - lo
+        p_x = x_ptr + tl.cast(i_r, tl.int64) * stride_x
+        p_out = out_ptr + tl.cast(i_r, tl.int64) * K
+        if n <= K:
+            for j0 in range(0, K, BLOCK):
+                o_j = j0 + o_b
+                tl.store(p_out + o_j, tl.where(o_j < n, lo + o_j, -1), mask=o_j < K)
+        elif n <= CAP:
+            m_c = o_c < n
+            b_key = _topk_ordered_key(tl.load(p_x + lo + o_c, mask=m_c, other=0.0))
+            _topk_emit(b_key, m_c, lo + o_c, K, p_out)
+        else:
+            # lower bound: the r-th largest of SAMPLE evenly spaced keys (runs of 8 consecutive
+            # columns, one 32-byte sector each), r placed SIGMAS standard deviations above the
+            # expected sampled rank r_exp of the K-th key, so that at least K keys lie above it
+            o_r = ((o_s // 8).to(tl.int64) * n) // (SAMPLE // 8) + o_s % 8
+            b_s = _topk_ordered_key(tl.load(p_x + lo + o_r))
+            r_exp = (K * SAMPLE) / n  # K * SAMPLE < 2**24
+            r_sd = tl.sqrt(SIGMAS * SIGMAS + 4.0 * r_exp)
+            r_lo = tl.minimum(tl.ceil((r_sd + SIGMAS) * (r_sd + SIGMAS) * 0.25).to(tl.int32), SAMPLE)
+            t_lo = _topk_kth_key(b_s, o_s >= 0, r_lo, 16)  # a 16-bit bound is close enough
+            # one pass over the row: keys >= t_lo to the scratch, compacted by a scan per tile
+            n_c = 0
+            a0 = (lo // BLOCK) * BLOCK
+            b_nx = tl.load(p_x + a0 + o_b, mask=a0 + o_b < hi, other=0.0)
+            for t0 in range(a0, hi, BLOCK):
+                o_t = t0 + o_b
+                m_t = (o_t >= lo) & (o_t < hi)
+                if PREFETCH:  # the next tile's load is in flight while this one is processed
+                    b_x = b_nx
+                    b_nx = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < hi, other=0.0)
+                else:
+                    b_x = tl.load(p_x + o_t, mask=m_t, other=0.0)
+                b_k = _topk_ordered_key(b_x)
+                m_k = m_t & (b_k >= t_lo)
+                o_w = n_c + tl.cumsum(m_k.to(tl.int32), axis=0) - 1
+                m_w = m_k & (o_w < CAP)
+                tl.store(p_sk + o_w, b_k.to(tl.int32, bitcast=True), mask=m_w)
+                tl.store(p_si + o_w, o_t, mask=m_w)
+                n_c += tl.sum(m_k.to(tl.int32), axis=0)
+            tl.debug_barrier()  # the scratch written by every thread is read back by others
+            if (n_c >= K) & (n_c <= CAP):
+                m_c = o_c < n_c
+                b_key = tl.load(p_sk + o_c, mask=m_c, other=0).to(tl.uint32, bitcast=True)
+                b_col = tl.load(p_si + o_c, mask=m_c, other=0)
+                _topk_emit(b_key, m_c, b_col, K, p_out)
+            else:  # the bound missed (e.g. massive ties): streaming radix select
+                _topk_stream_select(p_x, p_out, lo, hi, K, BLOCK)
+
+
 @triton.jit(do_not_specialize=["K", "B", "M", "page_size"])
 def _topk_logical_to_global_kernel(
     idx_ptr,
@@ -295,12 +478,13 @@ def topk_indices_triton(
     starts: torch.Tensor | None = None,
     ends: torch.Tensor | None = None,
     *,
-    config: cfgs.TopkConfig | None = None,
+    config: cfgs.TopkConfig | cfgs.RowConfig | None = None,
 ) -> torch.Tensor:
     """Triton ``topk_indices`` (see :func:`nsa_backend.topk_indices`), on validated inputs.
 
-    Four launches, no host synchronisation, allocations sized by shapes only: two histogram passes
-    over the top key bits (rows split over ``split`` programs), a filter pass and a per-row finish.
+    The whole-row path (one launch of ``_topk_row_kernel``) or the split path (four launches),
+    as :func:`nsa_backend.configs.topk.use_row_path` decides. No host synchronisation; allocations
+    sized by shapes only.
 
     Parameters
     ----------
@@ -310,8 +494,9 @@ def topk_indices_triton(
         Indices per row.
     starts, ends : torch.Tensor, optional
         ``[R]`` ``int32``: row ``i`` selects among columns ``[starts[i], ends[i])`` (default ``0`` and ``N``).
-    config : TopkConfig, optional
-        Launch configuration overriding ``nsa_backend.configs.topk.topk_config``.
+    config : RowConfig or TopkConfig, optional
+        Launch configuration overriding the automatic choice: a ``RowConfig`` runs the whole-row
+        path (``topk <= ROW_MAX_TOPK`` only), a ``TopkConfig`` the split path.
 
     Returns
     -------
@@ -322,7 +507,30 @@ def topk_indices_triton(
     out = torch.empty(R, topk, dtype=torch.int32, device=logits.device)
     if R == 0:
         return out
-    cfg = config or cfgs.topk_config(N, R)
+    if config is None:
+        config = cfgs.row_config(N, R) if cfgs.use_row_path(N, R, topk) else cfgs.topk_config(N, R)
+    if isinstance(config, cfgs.RowConfig):
+        _topk_rows(logits, topk, starts, ends, out, config)
+    else:
+        _topk_split(logits, topk, starts, ends, out, config)
+    return out
+
+
+def _topk_rows(logits, topk, starts, ends, out, cfg):
+    R, N = logits.shape
+    cap = cfgs.row_capacity(topk, cfg)
+    programs = max(1, min(R, cfg.programs_per_sm * device_sms(logits.device)))
+    # keys and columns of a long row's candidates, one slab per program
+    scratch = torch.empty(programs, 2, cap, dtype=torch.int32, device=logits.device) if N > cap else out
+    _topk_row_kernel[(programs,)](
+        logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
+        BLOCK=cfg.block, CAP=cap, SAMPLE=cfgs.row_sample(cap), SIGMAS=cfgs.ROW_SIGMAS, PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps,
+    )
+
+
+def _topk_split(logits, topk, starts, ends, out, cfg):
+    R, N = logits.shape
     split = cfgs.row_split(R, N, cfg.block, device_sms(logits.device))
     zeroed = torch.zeros(R * (512 + 2), dtype=torch.int32, device=logits.device)
     hist = zeroed[:R * 512].view(R, 512)  # two 256-bin histograms per row (key bits 31..24, 23..16)
@@ -337,7 +545,6 @@ def topk_indices_triton(
                                     cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
     _topk_finish_kernel[(R,)](logits, hist, cand, out, starts, ends, N, topk, stride, cap,
                               BLOCK=cfgs.FINISH_BLOCK, num_warps=cfgs.FINISH_NUM_WARPS)
-    return out
 
 
 def logical_to_global_indices_triton(

@@ -4,6 +4,10 @@ Top-k results are compared as sets: with distinct logits the selected set must e
 reference's (recall 1.0); with ties, any choice among equal values is accepted, so the sorted
 selected values must equal the reference's. Every row must hold exactly
 ``min(topk, valid columns)`` distinct in-window indices followed by ``-1``.
+
+Both launch paths are covered: the whole-row kernel (rows resolved in registers, rows resolved
+from a sampled bound, and the streaming radix select taken when the bound misses) and the
+four-launch split path (``topk`` above ``ROW_MAX_TOPK`` or a ``TopkConfig``).
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ def _check_topk(out, logits, topk, starts, ends, distinct, what=""):
         assert torch.equal(a, b), f"{what}: selected set differs (recall < 1)"
     else:
         ninf = torch.tensor(float("-inf"), device=out.device)
-        va = torch.where(got_valid, logits.gather(1, idx), ninf).sort(1).values
+        va = torch.where(got_valid, logits.gather(1, idx), ninf)
         wv = want >= 0
-        vb = torch.where(wv, logits.gather(1, want.long().clamp(min=0)), ninf).sort(1).values
+        vb = torch.where(wv, logits.gather(1, want.long().clamp(min=0)), ninf)
+        # NaN ranks above +inf (as in torch.topk); compare it as a finite sentinel
+        va, vb = (torch.where(v.isnan(), torch.full_like(v, 3e38), v).sort(1).values for v in (va, vb))
         assert torch.equal(va, vb), f"{what}: selected values differ"
 
 
@@ -91,9 +97,74 @@ def test_topk_indices(R, N, topk, mode, distinct):
     _check_topk(out, logits, topk, starts, ends, distinct, what=mode)
 
 
+def _case_logits(R, N, kind, gen=None):
+    if kind == "distinct":
+        return _distinct_logits(R, N, DEVICE, gen)
+    logits = torch.randint(-3, 4, (R, N), device=DEVICE, generator=gen).float()  # heavy ties
+    if kind == "special":  # -inf, +inf and NaN entries among ties
+        logits[:, ::7] = float("-inf")
+        logits[0, 5] = float("inf")
+        logits[-1, 11] = float("nan")
+        logits[-1, 40:45] = float("nan")
+    return logits
+
+
+def _case_window(R, N, mode, gen=None):
+    starts = ends = None
+    if mode in ("ends", "window"):
+        ends = torch.randint(0, N + 1, (R,), dtype=torch.int32, device=DEVICE, generator=gen)
+        ends[-1] = N
+    if mode == "window":
+        starts = (ends - torch.randint(0, N + 1, (R,), device=DEVICE, generator=gen)).clamp(min=0).int()
+        starts[0], ends[0] = N // 3, N // 3  # an empty row
+    return starts, ends
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("kind,mode", [("distinct", "window"), ("ties", "ends"), ("special", "none")])
+def test_topk_row_sampled(monkeypatch, kind, mode, prefetch):
+    # rows longer than the capacity: bound from a sample, one streaming pass, selection among the
+    # keys above the bound (or the streaming radix select when too many keys tie above it)
+    from nsa_backend.configs import topk as ct
+
+    monkeypatch.setattr(ct, "ROW_MIN_CAPACITY", 256)
+    R, N, topk = 5, 2500, 40
+    logits = _case_logits(R, N, kind)
+    starts, ends = _case_window(R, N, mode)
+    if ends is not None:
+        ends[1] = 30  # a row shorter than topk
+    cfg = ct.RowConfig(64, 4, 1, prefetch=prefetch)
+    out = kt.topk_indices_triton(logits, topk, starts, ends, config=cfg)
+    _check_topk(out, logits, topk, starts, ends, kind == "distinct", what=f"{kind}-{mode}")
+
+
+@pytest.mark.parametrize("kind", ["distinct", "special"])
+def test_topk_row_bound_missed(monkeypatch, kind):
+    # a bound with fewer than topk keys above it: every long row takes the streaming radix select
+    from nsa_backend.configs import topk as ct
+
+    monkeypatch.setattr(ct, "ROW_MIN_CAPACITY", 256)
+    monkeypatch.setattr(ct, "ROW_SIGMAS", -20.0)
+    R, N, topk = 3, 1800, 50
+    logits = _case_logits(R, N, kind)
+    starts, ends = _case_window(R, N, "window")
+    out = kt.topk_indices_triton(logits, topk, starts, ends, config=ct.RowConfig(128, 4, 1, prefetch=True))
+    _check_topk(out, logits, topk, starts, ends, kind == "distinct", what=kind)
+
+
+def test_topk_all_equal_rows():
+    # every key ties: more than the capacity share the top key (streaming radix select), and
+    # rows within the capacity resolve in registers
+    R, N, topk = 3, 5000, 64
+    logits = torch.zeros(R, N, device=DEVICE)
+    ends = torch.tensor([N, 4000, 64], dtype=torch.int32, device=DEVICE)
+    out = nb.topk_indices(logits, topk, None, ends, impl="triton")
+    _check_topk(out, logits, topk, None, ends, False, what="all equal")
+
+
 @pytest.mark.parametrize("distinct", [True, False])
-def test_topk_candidate_overflow(monkeypatch, distinct):
-    # a threshold bin larger than the candidate list: the finishing kernel scans the whole row
+def test_topk_split_candidate_overflow(monkeypatch, distinct):
+    # split path: a threshold bin larger than the candidate list makes the finish scan the row
     from nsa_backend.configs import topk as ct
 
     monkeypatch.setattr(ct, "MAX_CANDIDATES", 8)
@@ -101,8 +172,28 @@ def test_topk_candidate_overflow(monkeypatch, distinct):
     logits = _distinct_logits(R, N, DEVICE) * 1e-3 + 1.0 if distinct else \
         torch.randint(0, 3, (R, N), device=DEVICE).float()
     ends = torch.tensor([N, N - 7, 60], dtype=torch.int32, device=DEVICE)
-    out = nb.topk_indices(logits, topk, None, ends, impl="triton")
+    out = kt.topk_indices_triton(logits, topk, None, ends, config=ct.TopkConfig(1024, 4))
     _check_topk(out, logits, topk, None, ends, distinct, what="overflow")
+
+
+def test_topk_path_choice():
+    from nsa_backend.configs import topk as ct
+
+    assert ct.use_row_path(65536, 128, 2048) and ct.use_row_path(65536, 4096, 2048)
+    assert not ct.use_row_path(ct.SPLIT_MAX_N, ct.SPLIT_MIN_ROWS, 2048)
+    assert not ct.use_row_path(4096, 1, ct.ROW_MAX_TOPK + 1)
+
+
+def test_topk_split_path_large_topk():
+    # topk above ROW_MAX_TOPK runs the four-launch path
+    from nsa_backend.configs import topk as ct
+
+    R, N = 2, 3000
+    topk = ct.ROW_MAX_TOPK + 52
+    logits = _case_logits(R, N, "special")
+    starts, ends = _case_window(R, N, "window")
+    out = nb.topk_indices(logits, topk, starts, ends, impl="triton")
+    _check_topk(out, logits, topk, starts, ends, False, what="large topk")
 
 
 def test_logical_to_global_indices():
@@ -147,6 +238,16 @@ _AOT_SCRIPT = textwrap.dedent("""
         sh = compile_aligned(kt._topk_finish_kernel, sig, dict(BLOCK=ct.FINISH_BLOCK, **flags), arch,
                              ct.FINISH_NUM_WARPS, ["x_ptr", "hist_ptr", "cand_ptr", "out_ptr", "stride_x"])
         rows.append(["finish", arch, "", sh, aot.SHARED_MEMORY_LIMIT[arch]])
+        for cfg in ct.shipped_row_configs():
+            cap = ct.row_capacity(ct.ROW_MAX_TOPK, cfg)
+            sig = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
+                       R="i32", **common, BLOCK="constexpr", CAP="constexpr", SAMPLE="constexpr",
+                       SIGMAS="constexpr", PREFETCH="constexpr", HAS_STARTS="constexpr", HAS_ENDS="constexpr")
+            const = dict(BLOCK=cfg.block, CAP=cap, SAMPLE=ct.row_sample(cap), SIGMAS=ct.ROW_SIGMAS,
+                         PREFETCH=cfg.prefetch, **flags)
+            sh = compile_aligned(kt._topk_row_kernel, sig, const, arch, cfg.num_warps,
+                                 ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
+            rows.append(["row", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
         sig = dict(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", out_ptr="*i32", K="i32", B="i32", M="i32",
                    stride_bt="i32", page_size="i32", BLOCK="constexpr")
         sh = compile_aligned(kt._topk_logical_to_global_kernel, sig, dict(BLOCK=ct.L2G_BLOCK), arch,
@@ -193,6 +294,30 @@ def test_fuzz_topk_indices_gpu():
         out = nb.topk_indices(logits, topk, starts, ends, impl="triton")
         _check_topk(out, logits, topk, starts, ends, distinct,
                     what=f"case {case}: R={R} N={N} topk={topk} mode={mode} distinct={distinct}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,N,topk", [(1500, 9000, 2048), (1100, 40000, 2048), (600, 70000, 2048),
+                                      (300, 20000, 512)])
+def test_topk_many_rows_gpu(R, N, topk):
+    # many rows: the split path (>= SPLIT_MIN_ROWS rows of <= SPLIT_MAX_N columns) and the
+    # whole-row path with several rows per persistent program; windows, ties, -inf and NaN
+    gen = torch.Generator(device="cuda").manual_seed(R + N)
+    for kind in ("randn", "ties"):
+        if kind == "randn":
+            logits = torch.randn(R, N, device="cuda", generator=gen)
+        else:
+            logits = torch.randint(-20, 20, (R, N), device="cuda", generator=gen).float()
+            logits[:, ::5] = float("-inf")
+            logits[1, 3:40] = float("nan")
+            logits[2] = 0.0
+        ends = torch.randint(0, N + 1, (R,), dtype=torch.int32, device="cuda", generator=gen)
+        ends[:R // 2] = N - R // 2 + torch.arange(R // 2, device="cuda", dtype=torch.int32)  # causal-like
+        starts = (ends - torch.randint(0, N + 1, (R,), device="cuda", generator=gen)).clamp(min=0).int()
+        starts[: R // 2] = 0
+        out = nb.topk_indices(logits, topk, starts, ends, impl="triton")
+        # selected values compared (float32 randn rows may hold equal values)
+        _check_topk(out, logits, topk, starts, ends, False, what=f"{kind} R={R} N={N}")
 
 
 @pytest.mark.gpu
