@@ -4,8 +4,10 @@ The op is bound by reading ``a`` (``M x K`` bf16), so the figure of merit is the
 read per second (``gbps``) over the device-to-device copy bandwidth of the same run
 (``ratios["of_copy"]``); ``ratios["vs_torch"]`` is the plain torch computation's time over ours
 (``d = a.float() @ b.T``; ``sqr_sum = a.float().pow(2).sum(-1)``). ``triton`` is the public op
-(validation, custom-op dispatch, routing), ``triton_impl`` the implementation function it calls:
-when the GPU work is shorter than the host work per call, the public-op row shows the host time.
+(validation, routing), ``triton_impl`` the implementation function it calls: when the GPU work is
+shorter than the host work per call, the public-op row shows the host time. vLLM runs the op inside
+CUDA graphs, so ``triton-graph`` and ``torch-graph`` time the replay of the captured public op and
+of the torch computation (GPU time only; ``vs_torch`` of a graph row compares with ``torch-graph``).
 DeepGEMM is timed when its native module is importable.
 
 Run on a GPU and write ``<out>/mhc.json`` and ``<out>/mhc.md``::
@@ -50,6 +52,9 @@ QUICK_SHAPES: tuple[tuple[int, int, int, int | None], ...] = (
     (4096, 24, 28672, None),
 )
 CPU_SHAPES: tuple[tuple[int, int, int, int | None], ...] = ((16, 24, 256, None),)
+# Also timed as CUDA-graph replays (rows "<impl>-graph").
+GRAPH_IMPLS: tuple[str, ...] = ("triton", "torch")
+GRAPH_SUFFIX = "-graph"
 
 
 def _torch_baseline(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqr_sum: torch.Tensor) -> None:
@@ -109,10 +114,12 @@ def _time_shape(m: int, n: int, k: int, s: int | None, device: str, copy_gbps: f
     sq = torch.empty((m,) if s is None else (s, m), device=device)
     times: dict[str, float] = {}
     for name, fn in _impls(s).items():
-        try:
-            times[name] = bench_ms(lambda fn=fn: fn(a, b, d, sq), device=device)
-        except Exception as exc:  # one failing implementation must not end the benchmark
-            print(f"{FAMILY}: {name} failed on {_shape_str(m, n, k, s)}: {exc}", file=sys.stderr)
+        for graph in (False, True) if device == "cuda" and name in GRAPH_IMPLS else (False,):
+            key = name + GRAPH_SUFFIX if graph else name
+            try:
+                times[key] = bench_ms(lambda fn=fn: fn(a, b, d, sq), device=device, graph=graph)
+            except Exception as exc:  # one failing implementation must not end the benchmark
+                print(f"{FAMILY}: {key} failed on {_shape_str(m, n, k, s)}: {exc}", file=sys.stderr)
     a_bytes = a.numel() * a.element_size()
     rows = []
     for name, ms in times.items():
@@ -121,9 +128,10 @@ def _time_shape(m: int, n: int, k: int, s: int | None, device: str, copy_gbps: f
         if copy_gbps:
             ratios["of_copy"] = gbps / copy_gbps
         if name.startswith("triton"):
+            suffix = GRAPH_SUFFIX if name.endswith(GRAPH_SUFFIX) else ""
             for other in ("torch", "deep_gemm"):
-                if other in times:
-                    ratios[f"vs_{other}"] = times[other] / ms
+                if other + suffix in times:
+                    ratios[f"vs_{other}"] = times[other + suffix] / ms
         rows.append({
             "family": FAMILY, "op": OP, "shape": _shape_str(m, n, k, s), "impl": name, "ms": ms,
             "tflops": 2.0 * m * n * k / ms / 1e9, "gbps": gbps, "ratios": ratios,
@@ -131,11 +139,13 @@ def _time_shape(m: int, n: int, k: int, s: int | None, device: str, copy_gbps: f
     return rows
 
 
-# Candidate tiles timed by :func:`sweep` for N <= 32 (the shipped table is nsa_backend/configs/mhc.py).
+# Candidate tiles timed by :func:`sweep` for N <= 32 (the shipped tables are nsa_backend/configs/mhc.py):
+# b read as fp32, and (bf16x3 only) b split into stacked bf16 parts first.
 SWEEP_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (128, 64, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4), (256, 64, 8, 3), (128, 64, 4, 6), (64, 64, 4, 6),
     (128, 128, 4, 3),
 )
+SWEEP_PARTS_CONFIGS: tuple[tuple[int, int, int, int], ...] = ((128, 64, 8, 6), (128, 64, 8, 4), (64, 64, 4, 6))
 SWEEP_SHAPES: tuple[tuple[int, int, int, int | None], ...] = (
     (64, 24, 28672, None), (1024, 24, 28672, None), (4096, 24, 28672, None), (16384, 24, 28672, None),
 )
@@ -164,30 +174,34 @@ def _sweep_shape(m: int, n: int, k: int, s: int | None) -> list[dict[str, Any]]:
     block_n = cfgs.block_n_for(n)
     seen = set()
     rows = []
-    for tile in SWEEP_CONFIGS:
+    candidates = [(tile, False) for tile in SWEEP_CONFIGS]
+    if block_n == cfgs.PARTS_BLOCK_N:
+        candidates += [(tile, True) for tile in SWEEP_PARTS_CONFIGS]
+    for tile, b_parts in candidates:
         cfg = cfgs.GemmConfig(*tile)
-        if cfg.shared_bytes_estimate(block_n) > cfgs.shared_memory_budget(arch):
+        if cfg.shared_bytes_estimate(block_n, b_parts) > cfgs.shared_memory_budget(arch):
             continue
         bm = min(cfg.block_m, max(16, _next_pow2(m)))
         for per_sm in (1, 2, 4, 8):
             for min_chunk in (512, 1024, 2048):
                 plan = kern.split_plan(m, n, k, splits, bm, cfg.block_k, sms, per_sm, min_chunk)
                 for precision in cfgs.PRECISIONS:
-                    key = (tile, plan, precision)
-                    if key in seen or (precision != cfgs.DEFAULT_PRECISION and tile != SWEEP_CONFIGS[0]):
+                    key = (tile, b_parts, plan, precision)
+                    if key in seen or (precision != cfgs.DEFAULT_PRECISION and (b_parts or tile != SWEEP_CONFIGS[0])):
                         continue
                     seen.add(key)
                     run_cfg = cfgs.GemmConfig(bm, *tile[1:])
 
-                    def fn(c=run_cfg, p=plan, pr=precision):
-                        kern._launch(a, b, d, sq, splits, block_n, c, p, pr)
+                    def fn(c=run_cfg, p=plan, pr=precision, bp=b_parts):
+                        kern._launch(a, b, d, sq, splits, block_n, c, p, pr, bp)
 
                     try:
                         ms = bench_ms(fn, 5, 30)
                     except Exception as exc:  # a candidate that fails to compile is reported, not fatal
                         print(f"sweep: {tile} {plan} failed: {exc}", file=sys.stderr)
                         continue
-                    rows.append({"shape": _shape_str(m, n, k, s), "config": list(tile), "plan": list(plan),
+                    rows.append({"shape": _shape_str(m, n, k, s), "config": list(tile), "b_parts": b_parts,
+                                 "plan": list(plan),
                                  "programs_per_sm": per_sm, "min_chunk_k": min_chunk,
                                  "precision": precision, "ms": ms, "gbps": m * k * 2 / ms / 1e6})
     return rows
@@ -239,15 +253,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def _plans(shapes: tuple[tuple[int, int, int, int | None], ...]) -> dict[str, str]:
     """The configuration and split-K plan the Triton path uses for each shape on this GPU."""
-    from nsa_backend.configs import mhc as cfgs
     from nsa_backend.kernels import mhc as kern
 
-    arch, sms = kern._arch_and_sms(torch.device("cuda"))
+    index = torch.cuda.current_device()
     out = {}
     for m, n, k, s in shapes:
-        block_n, cfg = cfgs.gemm_config(n, m, arch)
-        plan = kern.split_plan(m, n, k, s or 1, cfg.block_m, cfg.block_k, sms)
-        out[_shape_str(m, n, k, s)] = f"block_n={block_n} {cfg} (split_k, chunk_k, num_chunks)={plan}"
+        block_n, cfg, plan, b_parts = kern._plan(m, n, k, s or 1, index)
+        out[_shape_str(m, n, k, s)] = (f"block_n={block_n} {cfg} b_parts={b_parts} "
+                                       f"(split_k, chunk_k, num_chunks)={plan}")
     return out
 
 

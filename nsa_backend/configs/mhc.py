@@ -1,16 +1,22 @@
 """Launch configurations of the mHC pre-norm GEMM kernels (``nsa_backend/kernels/mhc.py``).
 
 The GEMM ``d = a @ b.T`` with ``N <= 128`` is bound by reading ``a`` (``M x K`` bf16) from memory,
-so the tables below aim at bytes in flight, not at tensor-core shapes:
+so the tables below aim at bytes in flight, not at tensor-core shapes. Two paths:
 
-- ``GEMM_CONFIGS[block_n]`` lists candidate tiles, best first. :func:`gemm_config` returns the
-  first one whose estimated shared memory fits the architecture (``SHARED_MEMORY_LIMIT``); the
-  ahead-of-time test compiles every configuration :func:`shipped_configs` can return and checks
-  the compiler's number.
-- Small ``M`` shrinks ``block_m`` to the next power of two (at least 16) to skip idle MMA rows.
-- ``PROGRAMS_PER_SM`` and ``MIN_CHUNK_K`` drive the split of K across programs (see
-  ``nsa_backend.kernels.mhc.split_plan``): enough programs to fill the GPU, but no program with
-  fewer than ``MIN_CHUNK_K`` columns of ``a``.
+- stacked parts (:func:`uses_b_parts`): ``b`` is split once per call into its three bf16 parts,
+  which the GEMM loop multiplies as one tile of ``4 * block_n`` rows; one program per SM with a deep
+  pipeline (``PARTS_CONFIGS``, ``PARTS_PROGRAMS_PER_SM``). Used where it was measured: the H200
+  (sm_90), ``bf16x3``, ``block_n == PARTS_BLOCK_N`` (N in 17..32, DeepSeek-V4's N = 24) and
+  ``M`` above the small-M tiles.
+- otherwise ``b`` is read as fp32 and split inside the loop: ``GEMM_CONFIGS[block_n]`` lists
+  candidate tiles, best first; :func:`gemm_config` returns the first one whose estimated shared
+  memory fits the architecture (``SHARED_MEMORY_LIMIT``), and small ``M`` shrinks ``block_m`` to
+  the next power of two (at least 16) to skip idle MMA rows.
+
+The ahead-of-time test compiles every configuration :func:`shipped_configs` can return and checks
+the compiler's shared-memory number. ``PROGRAMS_PER_SM`` and ``MIN_CHUNK_K`` drive the split of K
+across programs (see ``nsa_backend.kernels.mhc.split_plan``): enough programs to fill the GPU, but no
+program with fewer than ``MIN_CHUNK_K`` columns of ``a``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,16 @@ PROGRAM_OVERHEAD_K = 64
 DEFAULT_PRECISION = "bf16x3"
 PRECISIONS: tuple[str, ...] = ("tf32", "bf16x3")
 
+# Stacked-parts path (H200 sweeps in bench/results/h200/tuning/mhc.parts.md): a small kernel splits b into
+# [3, N, K] bf16 (SPLIT_B_BLOCK values per program); the GEMM program (8 warps, 6 stages, ~176 KiB of
+# shared memory: one per SM) multiplies the a tile with the stacked parts, keeps the square sums 2-D and
+# reduces them once after the loop; K chunks are planned for PARTS_PROGRAMS_PER_SM programs per SM.
+PARTS_ARCHS: tuple[int, ...] = (90,)
+PARTS_BLOCK_N = 32
+PARTS_PROGRAMS_PER_SM = 1
+SPLIT_B_BLOCK = 2048
+SPLIT_B_NUM_WARPS = 4
+
 # Split reduction kernel: a program loads [block_j, block] partial sums at once, block_j the chunk
 # count rounded up to a power of two (at most REDUCE_MAX_BLOCK_J), block_j * block = REDUCE_TILE.
 REDUCE_TILE = 4096
@@ -61,9 +77,11 @@ class GemmConfig:
     num_warps: int
     num_stages: int
 
-    def shared_bytes_estimate(self, block_n: int) -> int:
-        """Pipelined tiles of ``a`` (bf16) and ``b`` (fp32) held in shared memory."""
-        return self.num_stages * self.block_k * (2 * self.block_m + 4 * block_n)
+    def shared_bytes_estimate(self, block_n: int, b_parts: bool = False) -> int:
+        """Pipelined tiles of ``a`` (bf16) and ``b`` held in shared memory: ``b`` as fp32, or as the
+        stacked bf16 parts (``4 * block_n`` rows) with ``b_parts``."""
+        b_bytes = 2 * 4 * block_n if b_parts else 4 * block_n
+        return self.num_stages * self.block_k * (2 * self.block_m + b_bytes)
 
 
 GEMM_CONFIGS: dict[int, tuple[GemmConfig, ...]] = {
@@ -72,6 +90,7 @@ GEMM_CONFIGS: dict[int, tuple[GemmConfig, ...]] = {
     64: (GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3)),
     128: (GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3), GemmConfig(64, 64, 4, 2)),
 }
+PARTS_CONFIGS: tuple[GemmConfig, ...] = (GemmConfig(128, 64, 8, 6),)
 
 
 def block_n_for(n: int) -> int:
@@ -82,9 +101,18 @@ def block_n_for(n: int) -> int:
     raise ValueError(f"n: expected at most {BLOCK_N_BUCKETS[-1]}, got {n}")
 
 
-def gemm_config(n: int, m: int, arch: int | None) -> tuple[int, GemmConfig]:
+def uses_b_parts(block_n: int, m: int, arch: int | None, precision: str = DEFAULT_PRECISION) -> bool:
+    """Whether ``b`` is split into stacked bf16 parts before the GEMM (the path measured on the H200)."""
+    return (precision == "bf16x3" and arch in PARTS_ARCHS and block_n == PARTS_BLOCK_N
+            and m > SMALL_BLOCK_M[-1])
+
+
+def gemm_config(n: int, m: int, arch: int | None, precision: str = DEFAULT_PRECISION) -> tuple[int, GemmConfig]:
     """``(block_n, config)`` for ``n`` columns and ``m`` rows on ``sm_<arch>``."""
     block_n = block_n_for(n)
+    if uses_b_parts(block_n, m, arch, precision):
+        return block_n, first_fitting(PARTS_CONFIGS, arch, SHARED_MEMORY_MARGIN,
+                                      lambda c: c.shared_bytes_estimate(block_n, True))
     cfg = first_fitting(GEMM_CONFIGS[block_n], arch, SHARED_MEMORY_MARGIN,
                         lambda c: c.shared_bytes_estimate(block_n))
     for bm in SMALL_BLOCK_M:
@@ -105,12 +133,12 @@ def shipped_reduce_blocks() -> list[tuple[int, int]]:
     return sorted({reduce_blocks(c) for c in range(2, 2 * REDUCE_MAX_BLOCK_J + 1)})
 
 
-def shipped_configs(arch: int) -> list[tuple[int, GemmConfig]]:
-    """Every ``(block_n, config)`` :func:`gemm_config` can return on ``sm_<arch>``."""
-    out: list[tuple[int, GemmConfig]] = []
+def shipped_configs(arch: int) -> list[tuple[int, GemmConfig, bool]]:
+    """Every ``(block_n, config, b_parts)`` :func:`gemm_config` can return on ``sm_<arch>``."""
+    out: list[tuple[int, GemmConfig, bool]] = []
     for block_n in BLOCK_N_BUCKETS:
         for m in (*SMALL_BLOCK_M, 1 << 30):
-            item = gemm_config(block_n, m, arch)
+            item = (*gemm_config(block_n, m, arch), uses_b_parts(block_n, m, arch))
             if item not in out:
                 out.append(item)
     return out

@@ -57,12 +57,12 @@ def _check(a, b, d, sq, splits, precision, case):
     return err_d, err_sq
 
 
-def _launch(a, b, d, sq, splits, config, plan, precision):
+def _launch(a, b, d, sq, splits, config, plan, precision, **flags):
     from nsa_backend.kernels import mhc as kern
 
     s = 1 if splits is None else splits
     m, n = a.shape[0], b.shape[0]
-    kern._launch(a, b, d.view(s, m, n), sq.view(s, m), s, cfgs.block_n_for(n), config, plan, precision)
+    kern._launch(a, b, d.view(s, m, n), sq.view(s, m), s, cfgs.block_n_for(n), config, plan, precision, **flags)
 
 
 # (M, N, K, num_splits): odd M, every N bucket, an empty trailing split (K=320, S=4: 2+2+1+0 blocks).
@@ -101,6 +101,44 @@ def test_kernel_paths(m, n, k, splits, config, plan, precision):
     _check(a, b, d, sq, splits, precision, (m, n, k, splits, config, plan, precision))
 
 
+# The stacked-parts path (b split by a first kernel, the three bf16 parts multiplied as one tile, 2-D
+# square sums): one K chunk, chunks added by the reduction kernel, masked K tails, every N bucket it serves.
+PARTS_CASES = [
+    pytest.param(33, 24, 512, None, cfgs.GemmConfig(16, 64, 4, 2), (512, 128, 4), id="chunks4"),
+    pytest.param(40, 16, 576, 3, cfgs.GemmConfig(32, 128, 4, 2), (192, 128, 2), id="S3-chunks2-K128tail"),
+    pytest.param(70, 32, 256, None, cfgs.GemmConfig(64, 64, 4, 2), (256, 256, 1), id="one-chunk"),
+    pytest.param(5, 8, 320, 2, cfgs.GemmConfig(16, 64, 4, 2), (192, 64, 3), id="S2-empty-tail"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,splits,config,plan", PARTS_CASES)
+def test_b_parts_path(m, n, k, splits, config, plan):
+    a, b, d, sq = _inputs(m, n, k, splits)
+    _launch(a, b, d, sq, splits, config, plan, "bf16x3", b_parts=True)
+    _check(a, b, d, sq, splits, "bf16x3", (m, n, k, splits, config, plan))
+
+
+def test_b_parts_route():
+    """The stacked parts serve bf16x3, N in 17..32 and M above the small tiles on the archs measured."""
+    for arch in TARGET_ARCHS:
+        for n, m in ((24, 1024), (32, 65), (24, 64), (8, 4096), (128, 4096)):
+            block_n = cfgs.block_n_for(n)
+            want = arch in cfgs.PARTS_ARCHS and block_n == cfgs.PARTS_BLOCK_N and m > cfgs.SMALL_BLOCK_M[-1]
+            assert cfgs.uses_b_parts(block_n, m, arch) == want
+            assert not cfgs.uses_b_parts(block_n, m, arch, "tf32")
+    assert not cfgs.uses_b_parts(32, 4096, None)  # CPU interpreter: the route of the public op stays the fp32 b
+
+
+def test_split_b_is_exact():
+    """hi + mid + lo reproduces b exactly (24 significant bits) for normal fp32 values."""
+    from nsa_backend.kernels import mhc as kern
+
+    b = torch.randn(8, 640, device=DEVICE) * torch.logspace(-20, 20, 640, device=DEVICE)
+    parts = kern._split_b(b)
+    assert parts.shape == (3, 8, 640) and parts.dtype == torch.bfloat16
+    assert torch.equal(parts.double().sum(0), b.double())
+
+
 def test_splits_match_reference_partition():
     """Split s holds exactly the K range split_bounds(K, S)[s] (compared split by split)."""
     m, n, k, splits = 9, 8, 640, 4
@@ -112,12 +150,13 @@ def test_splits_match_reference_partition():
         assert torch.allclose(sq[s], a[:, k0:k1].float().pow(2).sum(-1), rtol=1e-5, atol=1e-4)
 
 
-def test_deterministic():
+@pytest.mark.parametrize("precision,b_parts", [("tf32", False), ("bf16x3", False), ("bf16x3", True)])
+def test_deterministic(precision, b_parts):
     a, b, d, sq = _inputs(29, 24, 384, None)
     plan = (384, 128, 3)
-    _launch(a, b, d, sq, None, cfgs.GemmConfig(16, 64, 4, 2), plan, "tf32")
+    _launch(a, b, d, sq, None, cfgs.GemmConfig(16, 64, 4, 2), plan, precision, b_parts=b_parts)
     d2, sq2 = torch.empty_like(d), torch.empty_like(sq)
-    _launch(a, b, d2, sq2, None, cfgs.GemmConfig(16, 64, 4, 2), plan, "tf32")
+    _launch(a, b, d2, sq2, None, cfgs.GemmConfig(16, 64, 4, 2), plan, precision, b_parts=b_parts)
     assert torch.equal(d, d2) and torch.equal(sq, sq2)
 
 
@@ -141,7 +180,8 @@ def test_config_choice_fits_estimate(arch):
         for m in (1, 16, 17, 64, 65, 16384):
             block_n, cfg = cfgs.gemm_config(n, m, arch)
             assert block_n >= n and cfg.block_m >= min(m, 16)
-            assert cfg.shared_bytes_estimate(block_n) <= SHARED_MEMORY_LIMIT[arch]
+            b_parts = cfgs.uses_b_parts(block_n, m, arch)
+            assert cfg.shared_bytes_estimate(block_n, b_parts) <= SHARED_MEMORY_LIMIT[arch]
 
 
 _AOT_SCRIPT = """
@@ -200,13 +240,16 @@ def test_gpu_precision_error(precision):
     m, n, k = 2048, 24, 28672
     a, b, d, sq = _inputs(m, n, k, None, "cuda")
     arch, sms = kern._arch_and_sms(a.device)
-    _, cfg = cfgs.gemm_config(n, m, arch)
-    plan = kern.split_plan(m, n, k, 1, cfg.block_m, cfg.block_k, sms)
-    _launch(a, b, d, sq, None, cfg, plan, precision)
+    block_n, cfg = cfgs.gemm_config(n, m, arch, precision)
+    b_parts = cfgs.uses_b_parts(block_n, m, arch, precision)
+    per_sm = cfgs.PARTS_PROGRAMS_PER_SM if b_parts else cfgs.PROGRAMS_PER_SM
+    plan = kern.split_plan(m, n, k, 1, cfg.block_m, cfg.block_k, sms, per_sm)
+    _launch(a, b, d, sq, None, cfg, plan, precision, b_parts=b_parts)
     err_d, _ = _check(a, b, d, sq, None, precision, precision)
     d64 = a.double() @ b.double().T
     diff = 1 - 2 * (d.double() * d64).sum() / (d.double().pow(2) + d64.pow(2)).sum()
-    print(f"mhc {precision}: max error {err_d:.2e} of the output RMS, calc_diff vs fp64 {diff.item():.2e}")
+    print(f"mhc {precision} (b_parts={b_parts}): max error {err_d:.2e} of the output RMS, "
+          f"calc_diff vs fp64 {diff.item():.2e}")
 
 
 @pytest.mark.gpu
@@ -215,4 +258,26 @@ def test_gpu_deterministic():
     tf32_hc_prenorm_gemm(a, b, d, sq, impl="triton")
     d2, sq2 = torch.empty_like(d), torch.empty_like(sq)
     tf32_hc_prenorm_gemm(a, b, d2, sq2, impl="triton")
+    assert torch.equal(d, d2) and torch.equal(sq, sq2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,splits", [(1024, 24, 28672, None), (999, 24, 7168, None), (4096, 32, 28672, 4),
+                                          (16384, 24, 28672, None), (65, 24, 28672, 16), (3001, 24, 7168, 1)])
+def test_gpu_b_parts_path(m, n, k, splits):
+    """The stacked-parts path with its shipped tile and K plan, where it is routed (compared and repeated)."""
+    from nsa_backend.kernels import mhc as kern
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a, b, d, sq = _inputs(m, n, k, splits, "cuda")
+    arch, sms = kern._arch_and_sms(a.device)
+    if arch not in cfgs.PARTS_ARCHS:
+        pytest.skip(f"the stacked-parts path is routed on sm_{cfgs.PARTS_ARCHS}, not sm_{arch}")
+    s = 1 if splits is None else splits
+    cfg = cfgs.PARTS_CONFIGS[0]
+    plan = kern.split_plan(m, n, k, s, cfg.block_m, cfg.block_k, sms, cfgs.PARTS_PROGRAMS_PER_SM)
+    _launch(a, b, d, sq, splits, cfg, plan, "bf16x3", b_parts=True)
+    _check(a, b, d, sq, splits, "bf16x3", (m, n, k, splits, plan))
+    d2, sq2 = torch.empty_like(d), torch.empty_like(sq)
+    _launch(a, b, d2, sq2, splits, cfg, plan, "bf16x3", b_parts=True)
     assert torch.equal(d, d2) and torch.equal(sq, sq2)
