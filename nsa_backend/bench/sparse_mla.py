@@ -75,11 +75,13 @@ def _row(
     }
 
 
-def _safe_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float | None, str | None]:
+def _safe_ms(
+    fn: Callable[[], Any], device: torch.device, graph: bool = False
+) -> tuple[float | None, str | None]:
     try:
         fn()
         torch.cuda.synchronize(device) if device.type == "cuda" else None
-        return bench_ms(fn, device=device), None
+        return bench_ms(fn, device=device, graph=graph and device.type == "cuda"), None
     except Exception as e:  # a baseline that fails is reported, not fatal
         return None, f"{type(e).__name__}: {str(e)[:200]}"
 
@@ -181,7 +183,7 @@ def bench_decode(
     nbytes = B * s_q * topk * 656.0 + a["q"].numel() * 2 + B * s_q * h_q * D_V * 2
     rows = []
     ours, note = _safe_ms(
-        lambda: sparse_mla_decode_triton(a["q"], a["kv_cache"], a["indices"], a["sm_scale"]), device
+        lambda: sparse_mla_decode_triton(a["q"], a["kv_cache"], a["indices"], a["sm_scale"]), device, graph=True
     )
     fm_ms = None
     flash = _flash_mla_with_q(a["q"], 2, h_q, device)
@@ -206,7 +208,7 @@ def bench_decode(
                 **kw,
             )
 
-        fm_ms, fm_note = _safe_ms(run_fm, device)
+        fm_ms, fm_note = _safe_ms(run_fm, device, graph=True)
         g = gbps(nbytes, fm_ms)
         rows.append(
             _row(

@@ -13,6 +13,9 @@ rows for the FP8 cache) and an fp32 accumulator of ``block_h x 512``. The tables
 - Decode splits the top-k list over programs (``decode_num_splits``): as many splits as fit in one
   wave of ``PROGRAMS_PER_SM[block_h] * num_sms`` programs, each with at least ``MIN_KEYS_PER_SPLIT``
   keys. The sm_90 entries are the fastest of an H200 sweep at the benchmark shapes.
+- Besides the tile, a configuration may read each tile's indices one iteration ahead (``idx_ahead``,
+  which lets the compiler pipeline the key gather over ``num_stages`` buffers) and cap the registers
+  per thread (``maxnreg``, more resident programs per SM).
 """
 
 from __future__ import annotations
@@ -48,6 +51,18 @@ class AttnConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Read each tile's indices one iteration ahead (a loop-carried register tile): the key gather then has
+    # no in-iteration dependency and the compiler pipelines it over ``num_stages`` buffers.
+    idx_ahead: bool = False
+    # Register cap per thread (more resident programs per SM); None: the compiler's choice.
+    maxnreg: int | None = None
+
+    def launch_options(self) -> dict:
+        """Keyword arguments of the kernel launch besides the kernel's own parameters."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
     def shared_bytes_estimate(self, kv_fp8: bool) -> int:
         """Lower bound: the q tile and one bf16 key tile (plus its raw bytes for the FP8 cache)."""
@@ -67,12 +82,15 @@ def arch_class(arch: int | None) -> str:
 
 # Shared memory measured by the ahead-of-time compile (bf16 prefill / fp8 decode, Triton 3.9):
 # sm_90 (64, 64, 8, 2) 221 / 190 KiB, (16, 64, 4, 2) 94 / 110 KiB; sm_80 (64, 32, 8, 2) 115 / 119 KiB;
-# sm_120 (64, 16, 8, 2) 94 / 97 KiB, (16, 32, 4, 2) 56 / 64 KiB.
+# sm_120 (64, 16, 8, 2) 94 / 97 KiB, (16, 32, 4, 2) 56 / 64 KiB. sm_90 prefill (16, 32, 4, 3) 55 KiB,
+# (32, 64, 8, 2) 112 KiB; decode (16, 32, 4, 4, idx_ahead) 71 KiB.
 PREFILL_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
     "sm90": {
         64: (AttnConfig(64, 64, 8, 2), AttnConfig(64, 32, 8, 2)),
-        32: (AttnConfig(32, 32, 4, 3),),
-        16: (AttnConfig(16, 64, 4, 2),),
+        # H200 sweep (s_q 4096, topk 2048): capping registers at 128 keeps two (32 heads) / four (16 heads)
+        # programs resident per SM: 3.63 vs 4.19 ms for (32, 32, 4, 3), 2.38 vs 2.53 ms for (16, 64, 4, 2).
+        32: (AttnConfig(32, 64, 8, 2, maxnreg=128),),
+        16: (AttnConfig(16, 32, 4, 3, maxnreg=128),),
     },
     "sm80": {
         64: (AttnConfig(64, 32, 8, 2),),
@@ -86,10 +104,16 @@ PREFILL_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
     },
 }
 
-# Decode uses the prefill tiles, but for two pipeline stages with 32 heads per program on sm_90.
+# Decode uses the prefill tiles, except on sm_90: two pipeline stages with 32 heads per program, and for
+# 16 heads 32-key tiles whose indices are read one iteration ahead over four pipelined stages (H200, fp8
+# cache, topk 2048: 181 vs 189 us at B 128, 62 vs 66 us at B 32 for (16, 64, 4, 2)).
 DECODE_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
     **PREFILL_CONFIGS,
-    "sm90": {**PREFILL_CONFIGS["sm90"], 32: (AttnConfig(32, 32, 4, 2),)},
+    "sm90": {
+        64: PREFILL_CONFIGS["sm90"][64],
+        32: (AttnConfig(32, 32, 4, 2),),
+        16: (AttnConfig(16, 32, 4, 4, idx_ahead=True),),
+    },
 }
 
 

@@ -14,7 +14,11 @@ key indices), a block of ``BLOCK_H`` heads and one split of the key list:
 - ``KV_FP8`` reads "fp8_ds_mla" tokens (512 e4m3 bytes, four fp32 group scales, 64 bf16 rope
   values) and dequantises them in registers to bf16, exactly as the reference does (no
   dequantised copy). ``FP8_NATIVE`` selects Triton's e4m3 type (sm_89+); otherwise the bytes are
-  decoded with integer operations (e4m3 bits shifted into fp16 bits, scaled by 2^8).
+  decoded with integer operations (e4m3 bits shifted into fp16 bits, scaled by 2^8);
+- ``IDX_AHEAD`` reads the indices of a tile one iteration ahead. With the index load in the same
+  iteration the compiler keeps one key buffer and waits for every gather right before its MMAs;
+  without it, the gather has no in-iteration dependency and is pipelined over ``num_stages``
+  buffers (for keys feeding the MMAs directly).
 
 Outputs: ``SPLIT=False`` writes the final bf16 ``out``, the natural-log ``lse`` (``+inf`` for a row
 without a valid key) and, when ``HAS_MAX``, ``max_logits``; ``attn_sink`` is applied here.
@@ -66,27 +70,59 @@ def _sparse_mla_mma(a, b):
         return tl.dot(a, b)
 
 
+@triton.jit
+def _sparse_mla_gather(kv_ptr, b_idx, n_slots, page_size, stride_page, stride_row,
+                       BLOCK_N: tl.constexpr, D_ROPE: tl.constexpr, KV_FP8: tl.constexpr):
+    """Raw keys of the slots ``b_idx`` [BN], as stored (no conversion).
+
+    Returns ``(m_n, r0, r1, r2, r3, s0, s1, s2, s3, rr)``: the valid-key mask [BN], the four latent
+    groups [BN, 128] (e4m3 bytes or bf16), their fp32 scales [BN] (FP8 cache; ones otherwise) and the
+    rope part [BN, D_ROPE] bf16. Invalid slots read as zeros and are never dereferenced.
+    """
+    m_n = (b_idx >= 0) & (b_idx < n_slots)
+    b_slot = tl.where(m_n, b_idx, 0).to(tl.int64)
+    p_row = kv_ptr + (b_slot // page_size) * stride_page + (b_slot % page_size) * stride_row
+    o_c = tl.arange(0, 128)
+    o_r = tl.arange(0, D_ROPE if D_ROPE > 0 else 16)
+    r0 = tl.load(p_row[:, None] + o_c[None, :], mask=m_n[:, None], other=0)
+    r1 = tl.load(p_row[:, None] + (128 + o_c[None, :]), mask=m_n[:, None], other=0)
+    r2 = tl.load(p_row[:, None] + (256 + o_c[None, :]), mask=m_n[:, None], other=0)
+    r3 = tl.load(p_row[:, None] + (384 + o_c[None, :]), mask=m_n[:, None], other=0)
+    if KV_FP8:
+        p_sc = (p_row + 512).to(tl.pointer_type(tl.float32))
+        s0 = tl.load(p_sc, mask=m_n, other=0.0)
+        s1 = tl.load(p_sc + 1, mask=m_n, other=0.0)
+        s2 = tl.load(p_sc + 2, mask=m_n, other=0.0)
+        s3 = tl.load(p_sc + 3, mask=m_n, other=0.0)
+        p_rope = (p_row + 528).to(tl.pointer_type(tl.bfloat16))
+    else:
+        s0 = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        p_rope = p_row + 512
+    if D_ROPE > 0:
+        rr = tl.load(p_rope[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0)
+    else:
+        rr = tl.zeros([BLOCK_N, 16], dtype=tl.bfloat16)
+    return m_n, r0, r1, r2, r3, s0, s1, s2, s3, rr
+
 
 @triton.jit
-def _sparse_mla_load_group(kv_ptr, p_key, m_n, G: tl.constexpr, KV_FP8: tl.constexpr,
-                           FP8_NATIVE: tl.constexpr):
-    """Latent dims ``[128 G, 128 G + 128)`` of the keys at element offsets ``p_key`` -> bf16 [BN, 128]."""
-    o_c = tl.arange(0, 128)
-    p_row = kv_ptr + p_key
+def _sparse_mla_dequant(b_raw, b_sc, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    """One raw latent group [BN, 128] -> bf16 keys: unchanged for the bf16 cache, ``bf16(e4m3 * scale)``
+    for the FP8 cache, exactly as the reference dequantises."""
     if KV_FP8:
-        b_k8 = tl.load(p_row[:, None] + (G * 128 + o_c[None, :]), mask=m_n[:, None], other=0)
-        # [BN] fp32 scale of group G
-        b_sc = tl.load((p_row + 512).to(tl.pointer_type(tl.float32)) + G, mask=m_n, other=0.0)
         if FP8_NATIVE:
-            b_kf = b_k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            b_kf = b_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             # e4m3 bits -> fp16 bits (value * 2^-8), exact for every e4m3 value
-            b_u = b_k8.to(tl.uint16)
+            b_u = b_raw.to(tl.uint16)
             b_kf = (((b_u & 0x80) << 8) | ((b_u & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
             b_sc = b_sc * 256.0
         return _sparse_mla_bf16(b_kf * b_sc[:, None])
     else:
-        return tl.load(p_row[:, None] + (G * 128 + o_c[None, :]), mask=m_n[:, None], other=0.0)
+        return b_raw
 
 
 @triton.jit
@@ -118,6 +154,7 @@ def _sparse_mla_fwd_kernel(
     D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr,
+    IDX_AHEAD: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
 ):
     # The 512 latent dims are handled as four groups of 128 (the fp8_ds_mla scale groups): four
@@ -156,29 +193,34 @@ def _sparse_mla_fwd_kernel(
     b_acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     b_acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     p_idx = idx_ptr + i_r * stride_idx_row
+    if IDX_AHEAD:
+        # The indices of a tile are read one iteration ahead (a loop-carried register tile): the key
+        # gather then depends on no load of its own iteration, and the compiler pipelines it over
+        # num_stages shared-memory buffers (with an in-iteration index load it keeps one buffer).
+        o_nx = n_start + tl.arange(0, BLOCK_N)
+        b_idx_nx = tl.load(p_idx + o_nx, mask=o_nx < n_stop, other=-1)
     for n0 in range(n_start, n_stop, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        b_idx = tl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
-        m_n = (b_idx >= 0) & (b_idx < n_slots)
-        b_slot = tl.where(m_n, b_idx, 0).to(tl.int64)
-        p_key = (b_slot // page_size) * stride_page + (b_slot % page_size) * stride_row
+        if IDX_AHEAD:
+            b_idx = b_idx_nx
+            o_nx = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+            b_idx_nx = tl.load(p_idx + o_nx, mask=o_nx < n_stop, other=-1)
+        else:
+            o_n = n0 + tl.arange(0, BLOCK_N)
+            b_idx = tl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
+        (m_n, r0, r1, r2, r3, s0, s1, s2, s3, b_kr) = _sparse_mla_gather(
+            kv_ptr, b_idx, n_slots, page_size, stride_page, stride_row, BLOCK_N, D_ROPE, KV_FP8)
         # [BN, 128] x 4
-        b_k0 = _sparse_mla_load_group(kv_ptr, p_key, m_n, 0, KV_FP8, FP8_NATIVE)
-        b_k1 = _sparse_mla_load_group(kv_ptr, p_key, m_n, 1, KV_FP8, FP8_NATIVE)
-        b_k2 = _sparse_mla_load_group(kv_ptr, p_key, m_n, 2, KV_FP8, FP8_NATIVE)
-        b_k3 = _sparse_mla_load_group(kv_ptr, p_key, m_n, 3, KV_FP8, FP8_NATIVE)
+        b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE)
+        b_k1 = _sparse_mla_dequant(r1, s1, KV_FP8, FP8_NATIVE)
+        b_k2 = _sparse_mla_dequant(r2, s2, KV_FP8, FP8_NATIVE)
+        b_k3 = _sparse_mla_dequant(r3, s3, KV_FP8, FP8_NATIVE)
         # [BH, BN]
         b_s = _sparse_mla_mma(b_q0, tl.trans(b_k0))
         b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
         b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
         b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
         if D_ROPE > 0:
-            if KV_FP8:
-                p_rope = (kv_ptr + p_key + 528).to(tl.pointer_type(tl.bfloat16))
-            else:
-                p_rope = kv_ptr + p_key + 512
             # [BN, 64]
-            b_kr = tl.load(p_rope[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0)
             b_s += _sparse_mla_mma(b_qr, tl.trans(b_kr))
         b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
@@ -292,6 +334,7 @@ def flash_mla_sparse_fwd_triton(
         D_ROPE=d_qk - d_v,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         KV_FP8=False, FP8_NATIVE=fp8_native(arch), SPLIT=False,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IDX_AHEAD=cfg.idx_ahead,
+        **cfg.launch_options(),
     )
     return out, max_logits, lse

@@ -3,7 +3,8 @@
 CPU (interpreter): tiny shapes covering d_qk 576/512, head counts that are not powers of two,
 invalid indices (-1, >= s_kv), attn_sink, topk_length, empty rows, both FP8 scale formats, the
 integer e4m3 decode used on sm_80/86, split-K with merge, and spaced cache pages.
-GPU: a seeded fuzz of 300 cases per op plus CUDA-graph capture of decode.
+GPU: a seeded fuzz of 300 cases per op, the sm_90 tiles (indices read ahead, register caps) forced on
+every head count, and CUDA-graph capture of decode.
 AOT: every kernel x every shipped configuration compiled for sm_80 ... sm_121 within shared memory.
 """
 
@@ -236,6 +237,19 @@ def test_prefill_matches_reference(kw):
     run_prefill_case(a, str(kw))
 
 
+def test_prefill_idx_ahead_matches_reference():
+    """Indices read one iteration ahead: a partial last tile, topk_length and invalid keys."""
+    from nsa_backend.configs.sparse_mla import AttnConfig
+    from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
+
+    a = prefill_case(3, 18, 576, 50, 45, 0.3, True, True, seed=4)
+    out, mx, lse = flash_mla_sparse_fwd_triton(**a, config=AttnConfig(16, 16, 4, 1, idx_ahead=True))
+    r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
+    _check_out("out", out, r_out, "idx_ahead", r_abs)
+    _check_stat("lse", lse, r_lse, "idx_ahead")
+    _check_stat("max_logits", mx, r_mx, "idx_ahead")
+
+
 def test_prefill_empty_rows():
     from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
 
@@ -281,6 +295,11 @@ DECODE_CPU = [
         B=1, h_q=17, topk=33, page=8, num_blocks=5, frac_invalid=0.1, sink=True,
     ),
     _decode_param(
+        "fp8-idx-ahead-mtp2-split3-sink-topklen",
+        dict(num_splits=3, config=("idx_ahead",)),
+        s_q=2, h_q=5, topk=57, num_blocks=4, frac_invalid=0.2, sink=True, topk_len=True, pad_pages=True,
+    ),
+    _decode_param(
         "bf16-split2-padded",
         dict(num_splits=2),
         h_q=2, topk=24, kv_format="bf16", scale_format="pow2", num_blocks=2, sink=True, topk_len=True,
@@ -293,8 +312,10 @@ DECODE_CPU = [
 def test_decode_matches_reference(kw, launch):
     from nsa_backend.configs.sparse_mla import AttnConfig
 
+    launch = dict(launch)
+    cfg = AttnConfig(16, 16, 4, 1, idx_ahead="idx_ahead" in launch.pop("config", ()))
     a = decode_case(seed=2, **kw)
-    run_decode_case(a, str(kw), config=AttnConfig(16, 16, 4, 1), **launch)
+    run_decode_case(a, str(kw), config=cfg, **launch)
 
 
 def test_decode_plan_is_shape_only():
@@ -320,7 +341,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     DIV16 = ("q_ptr kv_ptr idx_ptr sink_ptr topk_len_ptr out_ptr lse_ptr max_ptr stride_q_row stride_q_head "
              "stride_page stride_row stride_ob stride_or stride_os stride_oh part_o_ptr part_lse_ptr").split()
 
-    def compile_div16(kernel, sig, ce, arch, num_warps, num_stages):
+    def compile_div16(kernel, sig, ce, arch, num_warps, num_stages, maxnreg=None):
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -328,8 +349,10 @@ _AOT_SCRIPT = textwrap.dedent("""
         names = kernel.arg_names
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV16 if n in sig and sig[n] != "constexpr"}
         src = ASTSource(fn=kernel, signature=sig, constexprs=ce, attrs=attrs)
-        c = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": num_warps, "num_stages": num_stages})
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        if maxnreg:
+            options["maxnreg"] = maxnreg
+        c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         shared = int(c.metadata.shared)
         return shared, shared <= SHARED_MEMORY_LIMIT[arch]
 
@@ -353,10 +376,10 @@ _AOT_SCRIPT = textwrap.dedent("""
                   "stride_lr stride_ls stride_lh").split():
             sig[n] = "i32"
         ce = dict(D_ROPE=64, BLOCK_H=cfg[0], BLOCK_N=cfg[1], KV_FP8=fp8, FP8_NATIVE=native,
-                  SPLIT=split, HAS_SINK=True, HAS_TOPK_LEN=True, HAS_MAX=not split)
+                  SPLIT=split, IDX_AHEAD=cfg[4], HAS_SINK=True, HAS_TOPK_LEN=True, HAS_MAX=not split)
         sig.update({k: "constexpr" for k in ce})
         return [arch, kind, cfg, fp8, native, *compile_div16(_sparse_mla_fwd_kernel.fn, sig, ce, arch, cfg[2],
-                                                              cfg[3])]
+                                                              cfg[3], cfg[5])]
 
     if __name__ == "__main__":
         from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS, shipped_configs
@@ -366,7 +389,8 @@ _AOT_SCRIPT = textwrap.dedent("""
         for arch in archs:
             for kind, c, fp8 in shipped_configs(arch):
                 native = arch >= FP8_NATIVE_MIN_ARCH
-                items.append((arch, kind, (c.block_h, c.block_n, c.num_warps, c.num_stages), fp8, native))
+                items.append((arch, kind, (c.block_h, c.block_n, c.num_warps, c.num_stages, c.idx_ahead,
+                                           c.maxnreg), fp8, native))
             items.append((arch, "merge", (MERGE_BLOCK_H, MERGE_NUM_WARPS), False, False))
         with ProcessPoolExecutor(int(sys.argv[2])) as ex:
             print(json.dumps(list(ex.map(job, items))))
@@ -473,6 +497,30 @@ def test_decode_integer_fp8_path_gpu():
         c = dict(DECODE_DEFAULTS, s_q=2, h_q=h, topk=512, page=64, num_blocks=20, frac_invalid=0.1, sink=True,
                  topk_len=True, seed=100 + i)
         run_decode_case(decode_case(**c), str(c), native_fp8=False)
+
+
+@pytest.mark.gpu
+def test_idx_ahead_and_register_cap_gpu():
+    """The sm_90 tiles (indices read ahead, register caps) on every head count, whatever routing picks."""
+    from nsa_backend.configs.sparse_mla import AttnConfig
+    from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
+
+    rnd = random.Random(5)
+    dec_cfgs = [AttnConfig(16, 32, 4, 4, idx_ahead=True), AttnConfig(32, 32, 4, 3, idx_ahead=True)]
+    pre_cfgs = [AttnConfig(16, 32, 4, 3, maxnreg=128), AttnConfig(32, 64, 8, 2, maxnreg=128),
+                AttnConfig(16, 32, 4, 3, idx_ahead=True)]
+    for i, c in enumerate(decode_fuzz_cases(8, seed=11)):
+        cfg = dec_cfgs[i % len(dec_cfgs)]
+        launch = {"config": cfg, "num_splits": rnd.choice([None, 1, 3])}
+        run_decode_case(decode_case(**c), str(c) + str(launch), **launch)
+    for i, c in enumerate(prefill_fuzz_cases(6, seed=12)):
+        cfg = pre_cfgs[i % len(pre_cfgs)]
+        a = prefill_case(**c)
+        out, mx, lse = flash_mla_sparse_fwd_triton(**a, config=cfg)
+        r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
+        _check_out("out", out, r_out, str(c) + str(cfg), r_abs)
+        _check_stat("lse", lse, r_lse, str(c) + str(cfg))
+        _check_stat("max_logits", mx, r_mx, str(c) + str(cfg))
 
 
 @pytest.mark.gpu
