@@ -225,11 +225,12 @@ def sweep(quick: bool = False) -> list[dict[str, Any]]:
         q, cache, w, ctx, table = paged_inputs(B, L, next_n, H, D)
         kv_bytes = float(B * L * (D + 4))
         cols = 64 * next_n
-        for bn, warps, st in ((128, 4, 4), (128, 8, 4), (64, 4, 4), (64, 4, 6), (256, 8, 3)):
+        for bn, warps, st, ahead in ((64, 4, 6, True), (64, 4, 6, False), (64, 4, 4, True), (64, 4, 8, True),
+                                     (128, 4, 6, True), (64, 8, 6, True)):
             for chunk in (512, 1024, 2048, 4096):
                 if chunk % bn:
                     continue
-                cfg = LogitsConfig(bn, cols, warps, st)
+                cfg = LogitsConfig(bn, cols, warps, st, ahead)
                 ms, note = _time(lambda cfg=cfg, chunk=chunk, a=(q, cache, w, ctx, table, None, L):
                                  ki.fp8_paged_mqa_logits_triton(*a, config=cfg, chunk=chunk))
                 rows.append(_row("fp8_paged_mqa_logits", {"B": B, "context": L, "next_n": next_n, "H": H},

@@ -8,14 +8,15 @@ reduction along the N side of the accumulator, inside each warp.
 - ``RAGGED_CONFIGS[arch_kind]`` lists candidates for the prefill kernel, best first;
   :func:`ragged_config` returns the first whose estimated shared memory fits the architecture.
 - ``PAGED_CONFIGS`` is the same for the decode kernel (deterministic: no autotuning, so the call
-  can be captured in a CUDA graph).
+  can be captured in a CUDA graph); :func:`paged_chunk` then picks the keys per program from the
+  shapes and the programs an SM runs at once (``PAGED_RESIDENT``).
 - The ahead-of-time test compiles every configuration :func:`shipped_ragged_configs` /
   :func:`shipped_paged_configs` can return and checks the compiler's shared-memory number.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nsa_backend.configs import FALLBACK_SHARED_MEMORY, shared_memory_budget  # noqa: F401 (module API)
 from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH
@@ -29,20 +30,34 @@ PAGE_SIZES: tuple[int, ...] = (32, 64)
 
 # Share of the budget the estimate may use (the compiler adds scratch for layout conversions).
 SHARED_MEMORY_MARGIN = 0.85
-# Paged decode: aim for at least this many programs per SM before shrinking the key chunk.
-PAGED_PROGRAMS_PER_SM = 4
-# Keys per paged program, largest first (a multiple of every block_n below).
-PAGED_CHUNKS: tuple[int, ...] = (1024, 512, 256)
+# Keys per paged program, largest first (multiples of every block_n below).
+PAGED_CHUNKS: tuple[int, ...] = (4096, 2048, 1024, 512)
+# Paged decode programs an SM runs at once, by query columns (sm_90, 64-key tiles, 6 stages: 6 by
+# shared memory up to 64 columns, then by registers); other columns and architectures: the default.
+PAGED_RESIDENT: dict[int, int] = {16: 6, 32: 6, 64: 6, 128: 3, 256: 2, 512: 1}
+PAGED_RESIDENT_DEFAULT = 4
+# Waves of programs (programs / (resident * SMs)) :func:`paged_chunk` accepts: one wave that keeps
+# every SM busy, or at least this many so that the last, partial one costs little.
+PAGED_ONE_WAVE = (0.5, 1.0)
+PAGED_MIN_WAVES = 2.0
 
 
 @dataclass(frozen=True)
 class LogitsConfig:
-    """One launch configuration of a logits kernel."""
+    """One launch configuration of a logits kernel.
+
+    ``scale_ahead`` (paged kernel): load the key scales one tile ahead in registers (the compiler
+    pipelines only the MMA operands). ``max_regs``: register cap per thread (0: the compiler's choice).
+    ``resident`` (paged kernel): programs an SM runs at once, for :func:`paged_chunk`.
+    """
 
     block_n: int
     cols: int
     num_warps: int
     num_stages: int
+    scale_ahead: bool = True
+    max_regs: int = 0
+    resident: int = PAGED_RESIDENT_DEFAULT
 
     def shared_bytes_estimate(self, head_dim: int, fp8_native: bool) -> int:
         """Pipelined key tiles plus the resident query tile (fp16 operands without native fp8)."""
@@ -72,8 +87,10 @@ RAGGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
 
 RAGGED_WGMMA_COLS: dict[int, int] = {16: 256, 32: 256, 64: 128, 128: 128}
 
-# sm_90 decode entries tuned on an H200 (B 128, 32K context, H 64): 64-key tiles with 6 stages and
-# 1024-key chunks read 2.8 TB/s at next_n 1 (128-key tiles or 8 warps: 2.0-2.5 TB/s).
+# sm_90 decode entries tuned on an H200 (B 128, contexts 4K..64K, H 64, page 64; bytes of KV read per
+# second over the copy rate, CUDA graph): 64-key tiles, 4 warps, 6 stages, scales a tile ahead reached
+# 0.54 / 0.67 / 0.76 / 0.81 / 0.86 at next_n 1 and 0.40 / 0.50 / 0.56 / 0.57 / 0.58 at next_n 2 (with
+# the chunks of :func:`paged_chunk`); 4 or 8 stages, 128-key tiles, 8 warps or register caps were slower.
 PAGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
     "wgmma": (LogitsConfig(64, 0, 4, 6), LogitsConfig(64, 0, 4, 4), LogitsConfig(64, 0, 4, 2)),
     "big": (LogitsConfig(128, 0, 4, 3), LogitsConfig(64, 0, 4, 3), LogitsConfig(64, 0, 4, 2)),
@@ -112,11 +129,11 @@ def ragged_config(num_heads: int, head_dim: int, arch: int | None) -> LogitsConf
     candidates = RAGGED_CONFIGS[kind]
     for cfg in candidates:
         cols = RAGGED_WGMMA_COLS[hp] if kind == "wgmma" else max(cfg.cols, hp)
-        cfg = LogitsConfig(cfg.block_n, cols, cfg.num_warps, cfg.num_stages)
+        cfg = replace(cfg, cols=cols)
         if cfg.shared_bytes_estimate(head_dim, native) <= budget:
             return cfg
     last = candidates[-1]
-    return LogitsConfig(last.block_n, max(last.cols, hp), last.num_warps, 1)
+    return replace(last, cols=max(last.cols, hp), num_stages=1)
 
 
 def paged_config(num_heads: int, next_n: int, head_dim: int, arch: int | None) -> LogitsConfig:
@@ -133,28 +150,38 @@ def paged_config(num_heads: int, next_n: int, head_dim: int, arch: int | None) -
     while True:
         cols = rows * hp
         for cfg in candidates:
+            resident = PAGED_RESIDENT.get(cols, PAGED_RESIDENT_DEFAULT)
             if cols > 256:  # keep the accumulator at <= 128 fp32 registers per thread
-                cfg = LogitsConfig(min(cfg.block_n, 64), cols, 8, cfg.num_stages)
+                cfg = replace(cfg, block_n=min(cfg.block_n, 64), cols=cols, num_warps=8, resident=resident)
             else:
                 warps = 8 if cfg.block_n * cols > 128 * 128 else cfg.num_warps
-                cfg = LogitsConfig(cfg.block_n, cols, warps, cfg.num_stages)
+                cfg = replace(cfg, cols=cols, num_warps=warps, resident=resident)
             if cfg.shared_bytes_estimate(head_dim, native) <= budget:
                 return cfg
         if rows == 1:
-            last = candidates[-1]
-            return LogitsConfig(last.block_n, cols, last.num_warps, 1)
+            return replace(candidates[-1], cols=cols, num_stages=1)
         rows //= 2
 
 
-def paged_chunk(batch: int, max_context_len: int, num_sms: int, block_n: int) -> int:
-    """Keys per paged program: the largest chunk that still gives enough programs."""
-    for chunk in PAGED_CHUNKS:
-        if chunk % block_n:
-            continue
-        programs = batch * -(-max_context_len // chunk)
-        if programs >= PAGED_PROGRAMS_PER_SM * num_sms:
+def paged_chunk(batch: int, max_context_len: int, num_sms: int, block_n: int,
+                resident: int = PAGED_RESIDENT_DEFAULT) -> int:
+    """Keys per paged program for ``batch`` requests of up to ``max_context_len`` keys.
+
+    The grid has ``batch * cdiv(max_context_len, chunk)`` programs, ``resident * num_sms`` of which
+    run at once. The largest chunk giving one wave that keeps every SM busy wins, then the largest
+    giving at least ``PAGED_MIN_WAVES`` waves, then the smallest (short or few contexts).
+    """
+    chunks = [c for c in PAGED_CHUNKS if c % block_n == 0] or [block_n]
+    slots = max(1, resident * num_sms)
+    waves = {c: batch * -(-max_context_len // c) / slots for c in chunks}
+    lo, hi = PAGED_ONE_WAVE
+    for chunk in chunks:
+        if lo <= waves[chunk] <= hi:
             return chunk
-    return PAGED_CHUNKS[-1] if PAGED_CHUNKS[-1] % block_n == 0 else block_n
+    for chunk in chunks:
+        if waves[chunk] >= PAGED_MIN_WAVES:
+            return chunk
+    return chunks[-1]
 
 
 def shipped_ragged_configs(arch: int) -> list[tuple[int, int, LogitsConfig]]:

@@ -20,7 +20,11 @@ carry a factor ``2**16``.
 The paged kernel ignores ``schedule_meta``: its grid is ``(B * row groups, cdiv(max_context_len,
 CHUNK))``, fixed by shapes only, so the call has no host synchronisation and can be captured in a
 graph. A program reads each page once for all ``NP`` rows of its group (all ``next_n`` rows
-unless the query tile would not fit the architecture's shared memory).
+unless the query tile would not fit the architecture's shared memory). Decode is bound by the
+bytes of the cache, so its loop keeps the key tile an MMA operand in shared memory (the fp8
+values are loaded through a typed pointer, not bitcast after the load), looks up one page id per
+tile when a tile is a whole page, and loads the scales (which the compiler does not pipeline) a
+tile ahead in registers.
 """
 
 from __future__ import annotations
@@ -104,12 +108,12 @@ def _indexer_ragged_logits_kernel(
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < hi
         b_k = tl.load(k_ptr + o_n.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_sc = tl.load(k_scale_ptr + o_n, mask=m_n, other=0.0)
         if not FP8_NATIVE:
             b_k = _indexer_e4m3_bits_to_f16(b_k)
         b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, BQ*HP]
         b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
         b_l = tl.sum(tl.reshape(b_s, (BLOCK_N, BQ, HP)), axis=2)  # [BLOCK_N, BQ]
-        b_sc = tl.load(k_scale_ptr + o_n, mask=m_n, other=0.0)
         b_l = b_l * b_sc[:, None]
         m_in = (o_n[:, None] >= b_ks[None, :]) & (o_n[:, None] < b_ke[None, :])  # [BLOCK_N, BQ]
         if COMPRESSED:
@@ -142,6 +146,45 @@ def _indexer_ragged_logits_kernel(
 
 
 @triton.jit
+def _indexer_paged_keys(p_bt, t0, hi, num_pages, max_blocks, stride_page, PAGE: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    # keys [t0, t0 + BLOCK_N): byte offset of each key's page (0 where masked), its row in the page,
+    # and the mask of keys below hi on a valid page
+    o_t = t0 + tl.arange(0, BLOCK_N)
+    m_t = o_t < hi
+    if BLOCK_N == PAGE:
+        # t0 is a multiple of PAGE: one page id per tile (the clamp keeps the read inside the row)
+        i_pg = tl.load(p_bt + tl.minimum(t0 // PAGE, max_blocks - 1))
+        o_pg = tl.where((i_pg >= 0) & (i_pg < num_pages), i_pg, 0).to(tl.int64) * stride_page
+        i_pg = i_pg + tl.zeros([BLOCK_N], dtype=tl.int32)  # [BLOCK_N] (vector masks)
+        m_pg = m_t & (i_pg >= 0) & (i_pg < num_pages)
+        o_in = tl.arange(0, BLOCK_N)
+    else:
+        i_pg = tl.load(p_bt + o_t // PAGE, mask=m_t, other=-1)
+        m_pg = m_t & (i_pg >= 0) & (i_pg < num_pages)
+        o_pg = tl.where(m_pg, i_pg, 0).to(tl.int64) * stride_page
+        o_in = o_t % PAGE
+    return o_pg, o_in, m_pg
+
+
+@triton.jit
+def _indexer_paged_scales(kv_ptr, p_bt, t0, hi, num_pages, max_blocks, stride_page, D: tl.constexpr,
+                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_ALIGNED: tl.constexpr):
+    # fp32 scales of keys [t0, t0 + BLOCK_N) (0 where masked) and the valid-key mask
+    o_pg, o_in, m_pg = _indexer_paged_keys(p_bt, t0, hi, num_pages, max_blocks, stride_page, PAGE, BLOCK_N)
+    p_sc = kv_ptr + o_pg + PAGE * D + o_in * 4
+    if SCALE_ALIGNED:
+        b_sc = tl.load(p_sc.to(tl.pointer_type(tl.float32)), mask=m_pg, other=0.0)
+    else:
+        b_sc = tl.load(p_sc, mask=m_pg, other=0).to(tl.uint32)
+        b_sc |= tl.load(p_sc + 1, mask=m_pg, other=0).to(tl.uint32) << 8
+        b_sc |= tl.load(p_sc + 2, mask=m_pg, other=0).to(tl.uint32) << 16
+        b_sc |= tl.load(p_sc + 3, mask=m_pg, other=0).to(tl.uint32) << 24
+        b_sc = b_sc.to(tl.float32, bitcast=True)
+    return b_sc, m_pg
+
+
+@triton.jit
 def _indexer_paged_logits_kernel(
     q_ptr,
     kv_ptr,
@@ -167,6 +210,7 @@ def _indexer_paged_logits_kernel(
     CTX_2D: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
     SCALE_ALIGNED: tl.constexpr,
+    SC_AHEAD: tl.constexpr,
 ):
     # program (i_bg, i_c): rows [j0, j0 + NP) of request i_b, keys [i_c * CHUNK, (i_c + 1) * CHUNK)
     i_bg = tl.program_id(0)
@@ -199,27 +243,27 @@ def _indexer_paged_logits_kernel(
     p_out = out_ptr + (i_b * NEXT_N + o_j).to(tl.int64)[None, :] * stride_out  # [1, NP]
     p_bt = bt_ptr + i_b.to(tl.int64) * stride_bt
 
+    if SC_AHEAD:
+        # scales (not an MMA operand, so not pipelined by the compiler) are loaded a tile ahead
+        b_sc_next, m_pg_next = _indexer_paged_scales(kv_ptr, p_bt, c0, hi, num_pages, max_blocks, stride_page,
+                                                     D, PAGE, BLOCK_N, SCALE_ALIGNED)
     for t0 in range(c0, hi, BLOCK_N):
         o_t = t0 + tl.arange(0, BLOCK_N)
-        m_t = o_t < hi
-        i_pg = tl.load(p_bt + o_t // PAGE, mask=m_t, other=-1)
-        m_pg = m_t & (i_pg >= 0) & (i_pg < num_pages)
-        o_pg = tl.where(m_pg, i_pg, 0).to(tl.int64) * stride_page
-        o_in = o_t % PAGE
-        b_k = tl.load(kv_ptr + (o_pg + o_in * D)[:, None] + o_d[None, :], mask=m_pg[:, None], other=0)
-        p_sc = kv_ptr + o_pg + PAGE * D + o_in * 4
-        if SCALE_ALIGNED:
-            b_sc = tl.load(p_sc.to(tl.pointer_type(tl.float32)), mask=m_pg, other=0.0)
-        else:
-            b_sc = tl.load(p_sc, mask=m_pg, other=0).to(tl.uint32)
-            b_sc |= tl.load(p_sc + 1, mask=m_pg, other=0).to(tl.uint32) << 8
-            b_sc |= tl.load(p_sc + 2, mask=m_pg, other=0).to(tl.uint32) << 16
-            b_sc |= tl.load(p_sc + 3, mask=m_pg, other=0).to(tl.uint32) << 24
-            b_sc = b_sc.to(tl.float32, bitcast=True)
+        o_pg, o_in, m_k = _indexer_paged_keys(p_bt, t0, hi, num_pages, max_blocks, stride_page, PAGE, BLOCK_N)
+        p_k = kv_ptr + (o_pg + o_in * D)[:, None] + o_d[None, :]  # [BLOCK_N, D]
         if FP8_NATIVE:
-            b_k = b_k.to(tl.float8e4nv, bitcast=True)
+            # a typed load (not a bitcast of loaded bytes) keeps the tile an MMA operand in shared memory
+            b_k = tl.load(p_k.to(tl.pointer_type(tl.float8e4nv)), mask=m_k[:, None], other=0.0)
         else:
-            b_k = _indexer_e4m3_bits_to_f16(b_k)
+            b_k = _indexer_e4m3_bits_to_f16(tl.load(p_k, mask=m_k[:, None], other=0))
+        if SC_AHEAD:
+            b_sc = b_sc_next
+            m_pg = m_pg_next
+            b_sc_next, m_pg_next = _indexer_paged_scales(kv_ptr, p_bt, t0 + BLOCK_N, hi, num_pages, max_blocks,
+                                                         stride_page, D, PAGE, BLOCK_N, SCALE_ALIGNED)
+        else:
+            b_sc, m_pg = _indexer_paged_scales(kv_ptr, p_bt, t0, hi, num_pages, max_blocks, stride_page,
+                                               D, PAGE, BLOCK_N, SCALE_ALIGNED)
         b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, NP*HP]
         b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
         b_l = tl.sum(tl.reshape(b_s, (BLOCK_N, NP, HP)), axis=2) * b_sc[:, None]  # [BLOCK_N, NP]
@@ -285,6 +329,10 @@ def _fp8_operand(x: torch.Tensor, native: bool) -> torch.Tensor:
     return x if native else x.view(torch.uint8)
 
 
+def _reg_cap(cfg: cfgs.LogitsConfig) -> dict[str, int]:
+    return {"maxnreg": cfg.max_regs} if cfg.max_regs else {}
+
+
 def fp8_mqa_logits_triton(
     q: torch.Tensor,
     kv: tuple[torch.Tensor, torch.Tensor],
@@ -338,7 +386,7 @@ def fp8_mqa_logits_triton(
         cu_seq_len_k_start, cu_seq_len_k_end, out,
         S, N, H, out.stride(0), max_seqlen_k, 1.0 if native else _DECODE_SCALE,
         D=D, HP=hp, BQ=bq, BLOCK_N=cfg.block_n, CLEAN=bool(clean_logits), FP8_NATIVE=native,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg),
     )
     return out
 
@@ -433,11 +481,13 @@ def fp8_paged_mqa_logits_triton(
     out = torch.empty(B * next_n, max_context_len, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
+    if block_table.shape[1] == 0:  # no page: no visible key
+        return out.fill_(float("-inf"))
     arch = device_arch(q.device)
     native = cfgs.fp8_native(arch)
     cfg = config or cfgs.paged_config(H, next_n, D, arch)
     block_n = cfg.block_n
-    chunk = chunk or cfgs.paged_chunk(B, max_context_len, device_sms(q.device), block_n)
+    chunk = chunk or cfgs.paged_chunk(B, max_context_len, device_sms(q.device), block_n, cfg.resident)
     stride_page = kv_cache.stride(0)
     aligned = stride_page % 4 == 0 and kv_cache.data_ptr() % 4 == 0
     hp = cfgs.padded_heads(H)
@@ -449,7 +499,7 @@ def fp8_paged_mqa_logits_triton(
         out.stride(0),
         1.0 if native else _DECODE_SCALE, next_n, chunk,
         NP=rows, D=D, HP=hp, PAGE=page, BLOCK_N=block_n,
-        CTX_2D=context_lens.dim() == 2, FP8_NATIVE=native, SCALE_ALIGNED=aligned,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CTX_2D=context_lens.dim() == 2, FP8_NATIVE=native, SCALE_ALIGNED=aligned, SC_AHEAD=cfg.scale_ahead,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg),
     )
     return out

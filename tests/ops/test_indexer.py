@@ -28,6 +28,7 @@ from tests.ops._aot import assert_rows_fit, run_aot_script
 FP8 = torch.float8_e4m3fn
 triton = pytest.importorskip("triton")
 ki = pytest.importorskip("nsa_backend.kernels.indexer")
+ci = pytest.importorskip("nsa_backend.configs.indexer")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +143,34 @@ def test_fp8_paged_mqa_logits(B, next_n, H, D, page, lens, ctx_2d, pad):
     _assert_logits(out, want, what="paged")
 
 
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_fp8_paged_mqa_logits_chunks(chunk):
+    # several programs per request: chunk boundaries inside contexts and inside the row windows
+    q, cache, w, ctx, table, max_len = _paged_inputs(2, 2, 8, 64, 64, [300, 129], True, DEVICE, pad_bytes=16)
+    want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len + 70)
+    out = ki.fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, None, max_len + 70, chunk=chunk)
+    _assert_logits(out, want, what=f"chunk {chunk}")
+
+
+def test_paged_chunk_waves():
+    # one full wave when the shapes allow it, else several waves, else the most programs
+    assert ci.paged_chunk(128, 4096, 132, 64, resident=6) == 1024  # 512 programs, 792 slots
+    assert ci.paged_chunk(128, 32768, 132, 64, resident=6) == 2048  # 2048 programs: 2.6 waves
+    assert ci.paged_chunk(1, 65536, 132, 64, resident=6) == 512
+    for batch, length in [(1, 1), (7, 100), (128, 70000), (3, 5000)]:
+        assert ci.paged_chunk(batch, length, 132, 64) in ci.PAGED_CHUNKS
+
+
+def test_fp8_paged_mqa_logits_without_pages():
+    # a block table with no column: nothing is visible
+    q, cache, w, ctx, table, _ = _paged_inputs(2, 2, 4, 64, 64, [70, 5], False, DEVICE)
+    table = table[:, :0]
+    meta = nb.get_paged_mqa_logits_metadata(ctx, 64, 4, impl="triton")
+    want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, 80)
+    out = nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, 80, impl="triton")
+    _assert_logits(out, want, what="no pages")
+
+
 @pytest.mark.parametrize("lens,num_sms", [
     pytest.param([0, 300, 0, 1000, 5], 7, id="mixed"),
     pytest.param([0, 0], 3, id="all-empty"),
@@ -215,9 +244,10 @@ _AOT_SCRIPT = textwrap.dedent("""
                        H="i32", max_ctx="i32", num_pages="i32", max_blocks="i32", stride_bt="i32",
                        stride_page="i32", stride_out="i32", w_scale="fp32", NEXT_N="i32", CHUNK="i32",
                        NP="constexpr", D="constexpr", HP="constexpr", PAGE="constexpr", BLOCK_N="constexpr",
-                       CTX_2D="constexpr", FP8_NATIVE="constexpr", SCALE_ALIGNED="constexpr")
+                       CTX_2D="constexpr", FP8_NATIVE="constexpr", SCALE_ALIGNED="constexpr",
+                       SC_AHEAD="constexpr")
             cx = dict(NP=max(1, cfg.cols // hp), D=d, HP=hp, PAGE=64, BLOCK_N=cfg.block_n, CTX_2D=True,
-                      FP8_NATIVE=native, SCALE_ALIGNED=True)
+                      FP8_NATIVE=native, SCALE_ALIGNED=True, SC_AHEAD=cfg.scale_ahead)
             r = compile_aligned(ki._indexer_paged_logits_kernel, sig, cx, arch, cfg.num_warps,
                                 cfg.num_stages, ptr_args["paged"])
         else:
@@ -312,6 +342,26 @@ def test_fuzz_paged_metadata_gpu():
         num_sms = rng.choice([1, 2, 78, 132, 148, 170])
         out = nb.get_paged_mqa_logits_metadata(ctx, 64, num_sms, impl="triton")
         assert torch.equal(out, ref.get_paged_mqa_logits_metadata(ctx, 64, num_sms)), f"case {case}: B={B}"
+
+
+@pytest.mark.gpu
+def test_paged_logits_decode_shapes_gpu():
+    # the launch configurations and key chunks of decode batches (every chunk of PAGED_CHUNKS),
+    # both context_lens forms, padded and unaligned page strides
+    rng = random.Random(3)
+    for B, L, next_n, H, ctx_2d, pad in [(128, 8192, 1, 64, False, 0), (128, 8192, 2, 64, True, 16),
+                                         (64, 20000, 2, 64, False, 0), (32, 40000, 1, 32, True, 3),
+                                         (8, 9000, 4, 64, False, 64)]:
+        lens = [rng.randint(1, L) for _ in range(B)]
+        lens[0] = L
+        q, cache, w, ctx, table, max_len = _paged_inputs(B, next_n, H, 128, 64, lens, ctx_2d, "cuda", pad)
+        meta = nb.get_paged_mqa_logits_metadata(ctx, 64, 132, impl="triton")
+        want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_len)
+        out = nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_len, impl="triton")
+        _assert_logits(out, want, what=f"B={B} L={L} next_n={next_n} H={H}")
+        for chunk in ci.PAGED_CHUNKS:
+            out = ki.fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, meta, max_len, chunk=chunk)
+            _assert_logits(out, want, what=f"B={B} L={L} next_n={next_n} H={H} chunk={chunk}")
 
 
 @pytest.mark.gpu
