@@ -49,7 +49,9 @@ __all__ = ["split_plan", "tf32_hc_prenorm_gemm_triton"]
     "EVEN_K": lambda args: (args["K"] % args["BLOCK_K"] == 0 and args["SPLIT_K"] % args["BLOCK_K"] == 0
                             and args["CHUNK_K"] % args["BLOCK_K"] == 0),
 })
-@triton.jit(do_not_specialize=["NUM_CHUNKS"])
+# N stays unspecialised: with N a multiple of 16 (e.g. 32) the stacked-parts variant compiled under
+# triton 3.6 for sm_90 gave wrong sums on the H200; N = 24 (not specialised) was exact.
+@triton.jit(do_not_specialize=["N", "NUM_CHUNKS"])
 def _mhc_prenorm_gemm_kernel(
     a_ptr,
     b_ptr,
