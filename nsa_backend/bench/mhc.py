@@ -8,7 +8,9 @@ read per second (``gbps``) over the device-to-device copy bandwidth of the same 
 shorter than the host work per call, the public-op row shows the host time. vLLM runs the op inside
 CUDA graphs, so ``triton-graph`` and ``torch-graph`` time the replay of the captured public op and
 of the torch computation (GPU time only; ``vs_torch`` of a graph row compares with ``torch-graph``).
-DeepGEMM is timed when its native module is importable.
+``read_a`` (and ``read_a-graph``) is a pure streaming read of ``a`` timed the same way: the fastest
+any kernel reading ``a`` once can be at that size, so ``ratios["vs_read_a"]`` of a Triton row is its
+share of the attainable speed. DeepGEMM is timed when its native module is importable.
 
 Run on a GPU and write ``<out>/mhc.json`` and ``<out>/mhc.md``::
 
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from nsa_backend.bench.timing import bench_ms
 
@@ -53,7 +57,7 @@ QUICK_SHAPES: tuple[tuple[int, int, int, int | None], ...] = (
 )
 CPU_SHAPES: tuple[tuple[int, int, int, int | None], ...] = ((16, 24, 256, None),)
 # Also timed as CUDA-graph replays (rows "<impl>-graph").
-GRAPH_IMPLS: tuple[str, ...] = ("triton", "torch")
+GRAPH_IMPLS: tuple[str, ...] = ("triton", "torch", "read_a")
 GRAPH_SUFFIX = "-graph"
 
 
@@ -61,6 +65,31 @@ def _torch_baseline(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqr_sum: 
     af = a.float()
     torch.matmul(af, b.T, out=d)
     torch.sum(af.pow(2), -1, out=sqr_sum)
+
+
+# Pure read of ``a``: a streaming sum over its elements, timed like the op (same L2 flush, same CUDA
+# graph). No kernel that reads ``a`` once can be faster, so ``vs_read_a`` (the read's time over the
+# op's) is the share of the attainable speed at this size; for small ``a`` it sits well below the
+# 2 GiB copy rate because ramp-up and the cache flush cost the same per call.
+READ_BLOCK = 4096
+READ_ITERS = 16
+
+
+@triton.jit
+def _read_a_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    i_p = tl.program_id(0)
+    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        o = i_p.to(tl.int64) * BLOCK * ITERS + i * BLOCK + tl.arange(0, BLOCK)
+        b_acc += tl.load(x_ptr + o, mask=o < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i_p, tl.sum(b_acc, axis=0))
+
+
+def _read_a(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqr_sum: torch.Tensor) -> None:
+    n = a.numel()
+    grid = (triton.cdiv(n, READ_BLOCK * READ_ITERS),)
+    out = torch.empty(grid[0], dtype=torch.float32, device=a.device)
+    _read_a_kernel[grid](a, out, n, BLOCK=READ_BLOCK, ITERS=READ_ITERS, num_warps=8)
 
 
 def _impls(num_splits: int | None) -> dict[str, Callable[..., None]]:
@@ -73,6 +102,7 @@ def _impls(num_splits: int | None) -> dict[str, Callable[..., None]]:
     }
     if num_splits is None:
         out["torch"] = _torch_baseline
+        out["read_a"] = _read_a
     try:
         import deep_gemm  # noqa: F401
     except ImportError:
@@ -129,7 +159,7 @@ def _time_shape(m: int, n: int, k: int, s: int | None, device: str, copy_gbps: f
             ratios["of_copy"] = gbps / copy_gbps
         if name.startswith("triton"):
             suffix = GRAPH_SUFFIX if name.endswith(GRAPH_SUFFIX) else ""
-            for other in ("torch", "deep_gemm"):
+            for other in ("torch", "deep_gemm", "read_a"):
                 if other + suffix in times:
                     ratios[f"vs_{other}"] = times[other + suffix] / ms
         rows.append({
