@@ -32,8 +32,9 @@ PAGE_SIZES: tuple[int, ...] = (32, 64)
 SHARED_MEMORY_MARGIN = 0.85
 # Keys per paged program, largest first (multiples of every block_n below).
 PAGED_CHUNKS: tuple[int, ...] = (4096, 2048, 1024, 512)
-# Paged decode programs an SM runs at once, by query columns (sm_90, 64-key tiles, 6 stages: 6 by
-# shared memory up to 64 columns, then by registers); other columns and architectures: the default.
+# Paged decode programs an SM runs at once, by query columns, measured on sm_90 (64-key tiles, 6
+# stages: 6 by shared memory up to 64 columns, then by registers); used as the estimate on every
+# architecture, with PAGED_RESIDENT_DEFAULT for other column counts.
 PAGED_RESIDENT: dict[int, int] = {16: 6, 32: 6, 64: 6, 128: 3, 256: 2, 512: 1}
 PAGED_RESIDENT_DEFAULT = 4
 # Waves of programs (programs / (resident * SMs)) :func:`paged_chunk` accepts: one wave that keeps

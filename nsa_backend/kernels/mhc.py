@@ -21,7 +21,8 @@ Two ways to multiply with the fp32 ``b`` at about fp32 accuracy (``bf16x3``), ch
   the GEMM loop multiplies the ``a`` tile with the parts stacked in one tile of ``4 * BLOCK_N`` rows
   (one tensor-core MMA per step, both operands straight from the pipelined shared-memory buffers) and
   adds the parts after the loop; square sums are kept per (row, column of the step) and reduced once
-  after the loop. On the H200 this reads ``a`` 1.2-1.3x faster than the in-loop split for M >= 4096.
+  after the loop. On the H200 this reads ``a`` 1.13-1.17x faster than the in-loop split (with the
+  same square sums) for M >= 4096 (``bench/results/h200/tuning/mhc.parts.md``).
 - in-loop split: every step splits the fp32 ``b`` tile into the three parts in registers and runs
   three MMAs (the path for other archs, other N tiles, small M and the ``tf32`` precision).
 """
