@@ -1,15 +1,20 @@
 """Launch configurations of the top-k kernels (``nsa_backend/kernels/topk.py``).
 
-:func:`use_row_path` chooses between the two paths of the kernel module:
+:func:`use_resident_path` and :func:`use_row_path` choose among the three paths of the kernel
+module:
 
-- whole-row path (``topk <= ROW_MAX_TOPK``, except many rows of at most ``SPLIT_MAX_N``
-  columns): one launch, :func:`row_config` gives the :class:`RowConfig` (tile size, warps,
-  persistent programs per SM, prefetch). Rows longer than :func:`row_capacity` are resolved from
-  a bound sampled on :func:`row_sample` keys;
-- split path: four launches, two 256-bin histogram passes and a filter pass, each row split over
-  :func:`row_split` programs streaming tiles of ``block`` elements, then one program per row that
-  resolves the last 16 bits among at most :func:`candidate_capacity` candidates
-  (:class:`TopkConfig`, :func:`topk_config`).
+- register-resident path (at least ``RESIDENT_MIN_ROWS`` rows of at most ``RESIDENT_MAX_N``
+  columns, ``topk <= ROW_MAX_TOPK``: prefill): one launch, :func:`resident_config` gives the
+  :class:`ResidentConfig` (warps, persistent programs per SM, tile of the second pass) by row
+  length; :func:`resident_sizes` the columns held in registers;
+- whole-row path (other rows with ``topk <= ROW_MAX_TOPK``: decode rows and long rows): one
+  launch, :func:`row_config` gives the :class:`RowConfig` (tile size, warps, persistent programs
+  per SM, prefetch). Rows longer than :func:`row_capacity` are resolved from a bound sampled on
+  :func:`row_sample` keys;
+- split path (``topk > ROW_MAX_TOPK``): four launches, two 256-bin histogram passes and a filter
+  pass, each row split over :func:`row_split` programs streaming tiles of ``block`` elements,
+  then one program per row that resolves the last 16 bits among at most
+  :func:`candidate_capacity` candidates (:class:`TopkConfig`, :func:`topk_config`).
 
 No tile lives in shared memory beyond reduction / scan scratch and histograms, so one
 configuration fits every architecture.
@@ -51,11 +56,6 @@ ROW_MAX_TOPK = 2048
 ROW_MIN_CAPACITY = 4096
 ROW_MAX_SAMPLE = 4096
 ROW_SIGMAS = 4.0
-# Many rows (at least SPLIT_MIN_ROWS) of at most SPLIT_MAX_N columns run the split path, which
-# spreads each row over several programs (H200, 4096 rows, topk 2048: split 0.41 / 0.83 / 1.61 ms
-# at 8K / 16K / 32K columns against 0.81 / 1.13 / 1.64 ms whole-row; 3.13 against 2.65 ms at 64K).
-SPLIT_MIN_ROWS = 1024
-SPLIT_MAX_N = 32768
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,62 @@ ROW_CONFIG = RowConfig(2048, 8, 2, prefetch=True)
 
 
 def use_row_path(n: int, rows: int, topk: int) -> bool:
-    """Whether ``rows`` rows of ``n`` columns run the whole-row path (else the split path)."""
-    return topk <= ROW_MAX_TOPK and not (rows >= SPLIT_MIN_ROWS and n <= SPLIT_MAX_N)
+    """Whether ``rows`` rows of ``n`` columns run the whole-row path (else the register-resident
+    path, see :func:`use_resident_path`, or for ``topk > ROW_MAX_TOPK`` the split path)."""
+    return topk <= ROW_MAX_TOPK and not use_resident_path(n, rows, topk)
+
+
+# Register-resident path: one program holds a row of at most `capacity` columns in registers and
+# finds the topk-th largest key with one reduction per key bit (longer rows, only with an explicit
+# capacity: chunk by chunk, the top topk of each chunk kept). Taken for at least RESIDENT_MIN_ROWS
+# rows of at most RESIDENT_MAX_N columns (topk <= ROW_MAX_TOPK), where it replaced the split path.
+# H200, 4096 causal rows, topk 2048, against the split path / torch.topk: 0.253 / 0.407 / 0.725 ms
+# at 8K columns, 0.611 / 0.830 / 1.094 ms at 16K, 1.338 / 1.611 / 1.860 ms at 32K; at 64K rows
+# chunked by 32K took 3.36 ms against 2.52 ms for the whole-row path, so longer rows stay there.
+RESIDENT_MIN_ROWS = 1024
+RESIDENT_MAX_N = 32768
+RESIDENT_MAX_CAPACITY = 32768
+
+
+@dataclass(frozen=True)
+class ResidentConfig:
+    num_warps: int
+    programs_per_sm: int  # persistent programs per SM (each loops over rows)
+    capacity: int = 0  # columns held in registers (0: the next power of two >= n, capped)
+    emit_block: int = 1024  # the selection is written from tiles of this size read again
+
+
+# (largest n, config), first match wins; at most 64 keys per thread (H200: 127-155 registers,
+# no spills). The H200 sweep at 8K / 16K / 32K columns picked 4 warps with tiles of 1024,
+# 8 warps with tiles of 2048, 16 warps with tiles of 4096 (2048: within 1%).
+RESIDENT_CONFIGS: tuple[tuple[int, ResidentConfig], ...] = (
+    (8192, ResidentConfig(4, 8, emit_block=1024)),
+    (16384, ResidentConfig(8, 2, emit_block=2048)),
+    (32768, ResidentConfig(16, 1, emit_block=4096)),
+)
+
+
+def use_resident_path(n: int, rows: int, topk: int) -> bool:
+    """Whether ``rows`` rows of ``n`` columns run the register-resident path."""
+    return rows >= RESIDENT_MIN_ROWS and n <= RESIDENT_MAX_N and topk <= ROW_MAX_TOPK
+
+
+def resident_config(n: int, rows: int) -> ResidentConfig:
+    """Register-resident configuration for ``rows`` rows of ``n`` columns."""
+    for max_n, cfg in RESIDENT_CONFIGS:
+        if n <= max_n:
+            return cfg
+    return RESIDENT_CONFIGS[-1][1]
+
+
+def resident_sizes(n: int, topk: int, cfg: ResidentConfig) -> tuple[int, int]:
+    """(columns held in registers, scratch keys per program for the chunk winners of a long row)."""
+    cap = cfg.capacity or min(_next_pow2(n), RESIDENT_MAX_CAPACITY)
+    cap = max(cap, _next_pow2(2 * topk), 16)
+    fin = _next_pow2(-(-n // cap) * topk) if n > cap else 0
+    if cap > RESIDENT_MAX_CAPACITY or fin > RESIDENT_MAX_CAPACITY:
+        raise ValueError(f"top-{topk} of rows of {n} columns needs more than {RESIDENT_MAX_CAPACITY} keys held")
+    return cap, fin
 
 
 def row_config(n: int, rows: int) -> RowConfig:
@@ -127,3 +181,8 @@ def shipped_configs() -> list[TopkConfig]:
 
 def shipped_row_configs() -> list[RowConfig]:
     return [ROW_CONFIG]
+
+
+def shipped_resident_configs() -> list[tuple[int, ResidentConfig]]:
+    """(largest n, config) of every shipped register-resident configuration."""
+    return list(RESIDENT_CONFIGS)

@@ -11,9 +11,20 @@ Each row gets exactly ``topk`` indices, ties included: the keys above the ``topk
 and the first of those equal to it (the order inside a row, and which of several equal keys are
 taken, may vary between runs).
 
-Whole-row path (one launch; ``nsa_backend.configs.topk.use_row_path`` picks it for
-``topk <= ROW_MAX_TOPK`` except many rows of at most ``SPLIT_MAX_N`` columns):
-``_topk_row_kernel`` runs a persistent grid whose programs take whole rows.
+Register-resident path (one launch; ``nsa_backend.configs.topk.use_resident_path`` picks it for
+many rows of at most ``RESIDENT_MAX_N`` columns, i.e. prefill): ``_topk_resident_kernel`` runs a
+persistent grid whose programs take whole rows. A row of at most ``CAP`` columns is loaded into
+registers once (64 keys per thread at most). The ``topk``-th largest key is found bit by bit from
+the top: one reduction (count of keys >= a trial value) per bit, stopping as soon as exactly
+``topk`` keys lie at or above the prefix found so far. The selection is then written by reading
+the row again in tiles of ``EMIT_BLOCK`` (from L2), compacted with one scan per tile: writing it
+from the register-resident row took about twice the registers. With an explicit smaller
+capacity, longer rows are resolved chunk by chunk: the top ``topk`` of each chunk (keys and
+columns) go to the program's scratch slab, then the top ``topk`` of those (at most ``FIN``).
+
+Whole-row path (one launch; ``nsa_backend.configs.topk.use_row_path`` picks it for the other rows
+with ``topk <= ROW_MAX_TOPK``: decode rows and long rows): ``_topk_row_kernel`` runs a persistent
+grid whose programs take whole rows.
 
 - Rows of at most ``CAP`` valid columns are loaded into registers once; the ``topk``-th largest
   key is found bit by bit (count of keys >= a trial value, one reduction per bit below the
@@ -28,7 +39,7 @@ Whole-row path (one launch; ``nsa_backend.configs.topk.use_row_path`` picks it f
   the row is resolved by a streaming radix select with 8-bit digits on the full key, stopping
   once the matching bucket holds exactly the number still needed.
 
-Split path (four launches; larger ``topk``, and many rows of at most ``SPLIT_MAX_N`` columns):
+Split path (four launches; ``topk`` above ``ROW_MAX_TOPK``):
 
 1. ``_topk_histogram_kernel`` (twice): 256-bin histogram of key bits 31..24, then of bits 23..16
    among the keys whose bits 31..24 are the digit holding the ``topk``-th key; a row is split over
@@ -444,6 +455,124 @@ def _topk_row_kernel(
                 _topk_stream_select(p_x, p_out, lo, hi, K, BLOCK)
 
 
+@triton.jit
+def _topk_resident_threshold(b_key, n, k):
+    # b_key: keys of a register-resident row, 0 on lanes outside it; n > k keys in it. Returns t
+    # with exactly k keys >= t (stopping early) or, when keys tie, the k-th largest key: the
+    # largest t with at least k keys >= t, bit by bit from the top, one reduction per bit (trial
+    # values are never 0, so lanes outside the row never count)
+    t = tl.full([], 0, tl.uint32)
+    n_t = n  # keys >= t
+    bit = 31
+    while (n_t != k) & (bit >= 0):
+        c = t | (tl.full([], 1, tl.uint32) << bit.to(tl.uint32))
+        n_c = tl.sum((b_key >= c).to(tl.int32), axis=0)
+        take = n_c >= k
+        t = tl.where(take, c, t)
+        n_t = tl.where(take, n_c, n_t)
+        bit -= 1
+    return t
+
+
+@triton.jit
+def _topk_resident_emit(p_x, p_src, p_col, p_key, lo, hi, t, n_gt, K, BLOCK: tl.constexpr,
+                        STORE_KEY: tl.constexpr, FROM_LIST: tl.constexpr):
+    # read entries [lo, hi) again tile by tile (row columns, or with FROM_LIST the keys p_x[j] and
+    # columns p_src[j] of a candidate list): columns (and keys) of the n_gt keys above t to
+    # [0, n_gt), the first K - n_gt keys equal to t after them
+    o_b = tl.arange(0, BLOCK)
+    c_gt = 0
+    c_eq = n_gt
+    for t0 in range(lo, hi, BLOCK):
+        o_t = t0 + o_b
+        m_t = o_t < hi
+        if FROM_LIST:
+            b_key = tl.load(p_x + o_t, mask=m_t, other=0).to(tl.uint32, bitcast=True)
+            b_col = tl.load(p_src + o_t, mask=m_t, other=0)
+        else:
+            b_key = _topk_ordered_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+            b_col = o_t
+        m_gt = m_t & (b_key > t)
+        m_eq = m_t & (b_key == t)
+        # both ranks from one scan: greater-than count in the low 16 bits, equal count above
+        b_one = m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16)
+        b_c = tl.cumsum(b_one, axis=0)
+        o_w = tl.where(m_gt, c_gt + (b_c & 0xFFFF), c_eq + (b_c >> 16)) - 1
+        m_w = m_gt | (m_eq & (o_w < K))
+        tl.store(p_col + o_w, b_col, mask=m_w)
+        if STORE_KEY:
+            tl.store(p_key + o_w, b_key.to(tl.int32, bitcast=True), mask=m_w)
+        b_n = tl.sum(b_one, axis=0)
+        c_gt += b_n & 0xFFFF
+        c_eq += b_n >> 16
+
+
+@_row_window_flags
+@triton.jit(do_not_specialize=["R", "N", "K"])
+def _topk_resident_kernel(
+    x_ptr,
+    out_ptr,
+    scratch_ptr,
+    starts_ptr,
+    ends_ptr,
+    R,
+    N,
+    K,
+    stride_x,
+    CAP: tl.constexpr,
+    FIN: tl.constexpr,
+    EMIT_BLOCK: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    HAS_ENDS: tl.constexpr,
+):
+    # one program selects whole rows i_p, i_p + G, ...; see the module docstring
+    i_p = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    o_c = tl.arange(0, CAP)
+    p_sk = scratch_ptr + i_p.to(tl.int64) * (2 * FIN)  # keys of a long row's chunk winners
+    p_si = p_sk + FIN  # their columns
+    for i_r in range(i_p, R, n_prog):
+        lo, hi = _topk_row_window(starts_ptr, ends_ptr, i_r, N, HAS_STARTS, HAS_ENDS)
+        n = hi - lo
+        p_x = x_ptr + tl.cast(i_r, tl.int64) * stride_x
+        p_out = out_ptr + tl.cast(i_r, tl.int64) * K
+        if n <= K:
+            for j0 in range(0, K, CAP):
+                o_j = j0 + o_c
+                tl.store(p_out + o_j, tl.where(o_j < n, lo + o_j, -1), mask=o_j < K)
+        elif n <= CAP:
+            m_c = o_c < n
+            b_key = tl.where(m_c, _topk_ordered_key(tl.load(p_x + lo + o_c, mask=m_c, other=0.0)), 0)
+            t = _topk_resident_threshold(b_key, n, K)
+            n_gt = tl.sum((b_key > t).to(tl.int32), axis=0)
+            _topk_resident_emit(p_x, p_x, p_out, p_out, lo, hi, t, n_gt, K, EMIT_BLOCK, False, False)
+        elif FIN > 0:
+            # chunks of CAP columns: the top K of each (keys and columns) to the scratch slab
+            n_w = 0
+            for c0 in range(lo, hi, CAP):
+                n_k = tl.minimum(hi - c0, CAP)
+                m_k = o_c < n_k
+                b_ck = tl.where(m_k, _topk_ordered_key(tl.load(p_x + c0 + o_c, mask=m_k, other=0.0)), 0)
+                if n_k <= K:
+                    tl.store(p_sk + n_w + o_c, b_ck.to(tl.int32, bitcast=True), mask=m_k)
+                    tl.store(p_si + n_w + o_c, c0 + o_c, mask=m_k)
+                else:
+                    t_k = _topk_resident_threshold(b_ck, n_k, K)
+                    n_gk = tl.sum((b_ck > t_k).to(tl.int32), axis=0)
+                    _topk_resident_emit(p_x, p_x, p_si + n_w, p_sk + n_w, c0, c0 + n_k, t_k, n_gk, K,
+                                        EMIT_BLOCK, True, False)
+                n_w += tl.minimum(n_k, K)
+            tl.debug_barrier()  # the scratch written by every thread is read back by others
+            # the top K of the n_w <= FIN chunk winners
+            o_f = tl.arange(0, FIN)
+            m_f = o_f < n_w
+            b_fk = tl.load(p_sk + o_f, mask=m_f, other=0).to(tl.uint32, bitcast=True)
+            t_f = _topk_resident_threshold(b_fk, n_w, K)
+            n_gf = tl.sum((b_fk > t_f).to(tl.int32), axis=0)
+            _topk_resident_emit(p_sk, p_si, p_out, p_out, 0, n_w, t_f, n_gf, K, EMIT_BLOCK, False, True)
+            tl.debug_barrier()  # the slab is rewritten by the program's next row
+
+
 @triton.jit(do_not_specialize=["K", "B", "M", "page_size"])
 def _topk_logical_to_global_kernel(
     idx_ptr,
@@ -482,8 +611,9 @@ def topk_indices_triton(
 ) -> torch.Tensor:
     """Triton ``topk_indices`` (see :func:`nsa_backend.topk_indices`), on validated inputs.
 
-    The whole-row path (one launch of ``_topk_row_kernel``) or the split path (four launches),
-    as :func:`nsa_backend.configs.topk.use_row_path` decides. No host synchronisation; allocations
+    The register-resident path (one launch of ``_topk_resident_kernel``), the whole-row path (one
+    launch of ``_topk_row_kernel``) or the split path (four launches), as
+    :func:`nsa_backend.configs.topk.use_resident_path` and ``use_row_path`` decide. No host synchronisation; allocations
     sized by shapes only.
 
     Parameters
@@ -494,9 +624,10 @@ def topk_indices_triton(
         Indices per row.
     starts, ends : torch.Tensor, optional
         ``[R]`` ``int32``: row ``i`` selects among columns ``[starts[i], ends[i])`` (default ``0`` and ``N``).
-    config : RowConfig or TopkConfig, optional
-        Launch configuration overriding the automatic choice: a ``RowConfig`` runs the whole-row
-        path (``topk <= ROW_MAX_TOPK`` only), a ``TopkConfig`` the split path.
+    config : ResidentConfig, RowConfig or TopkConfig, optional
+        Launch configuration overriding the automatic choice: a ``ResidentConfig`` runs the
+        register-resident path, a ``RowConfig`` the whole-row path (``topk <= ROW_MAX_TOPK``
+        only), a ``TopkConfig`` the split path.
 
     Returns
     -------
@@ -508,8 +639,15 @@ def topk_indices_triton(
     if R == 0:
         return out
     if config is None:
-        config = cfgs.row_config(N, R) if cfgs.use_row_path(N, R, topk) else cfgs.topk_config(N, R)
-    if isinstance(config, cfgs.RowConfig):
+        if cfgs.use_resident_path(N, R, topk):
+            config = cfgs.resident_config(N, R)
+        elif cfgs.use_row_path(N, R, topk):
+            config = cfgs.row_config(N, R)
+        else:
+            config = cfgs.topk_config(N, R)
+    if isinstance(config, cfgs.ResidentConfig):
+        _topk_resident(logits, topk, starts, ends, out, config)
+    elif isinstance(config, cfgs.RowConfig):
         _topk_rows(logits, topk, starts, ends, out, config)
     else:
         _topk_split(logits, topk, starts, ends, out, config)
@@ -526,6 +664,18 @@ def _topk_rows(logits, topk, starts, ends, out, cfg):
         logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
         BLOCK=cfg.block, CAP=cap, SAMPLE=cfgs.row_sample(cap), SIGMAS=cfgs.ROW_SIGMAS, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
+    )
+
+
+def _topk_resident(logits, topk, starts, ends, out, cfg):
+    R, N = logits.shape
+    cap, fin = cfgs.resident_sizes(N, topk, cfg)
+    programs = max(1, min(R, cfg.programs_per_sm * device_sms(logits.device)))
+    # keys and columns of a long row's chunk winners, one slab per program
+    scratch = torch.empty(programs, 2, fin, dtype=torch.int32, device=logits.device) if N > cap else out
+    _topk_resident_kernel[(programs,)](
+        logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
+        CAP=cap, FIN=fin, EMIT_BLOCK=cfg.emit_block, num_warps=cfg.num_warps,
     )
 
 

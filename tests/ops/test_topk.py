@@ -5,9 +5,11 @@ reference's (recall 1.0); with ties, any choice among equal values is accepted, 
 selected values must equal the reference's. Every row must hold exactly
 ``min(topk, valid columns)`` distinct in-window indices followed by ``-1``.
 
-Both launch paths are covered: the whole-row kernel (rows resolved in registers, rows resolved
-from a sampled bound, and the streaming radix select taken when the bound misses) and the
-four-launch split path (``topk`` above ``ROW_MAX_TOPK`` or a ``TopkConfig``).
+Every launch path is covered: the register-resident kernel (rows held in registers, long rows
+chunk by chunk; 1- and 2-bit digits; selection written from registers or from tiles read again),
+the whole-row kernel (rows resolved in registers, rows resolved from a sampled bound, and the
+streaming radix select taken when the bound misses) and the four-launch split path (``topk``
+above ``ROW_MAX_TOPK`` or a ``TopkConfig``).
 """
 
 from __future__ import annotations
@@ -138,6 +140,58 @@ def test_topk_row_sampled(monkeypatch, kind, mode, prefetch):
     _check_topk(out, logits, topk, starts, ends, kind == "distinct", what=f"{kind}-{mode}")
 
 
+RESIDENT_CASES = [
+    # (warps, capacity, tile of the second pass): rows held in registers whole, or chunked
+    pytest.param((4, 0, 64), id="registers"),
+    pytest.param((4, 0, 1024), id="registers-wide-tile"),
+    pytest.param((4, 256, 64), id="chunked"),
+    pytest.param((4, 128, 32), id="chunked-small-tile"),
+]
+
+
+@pytest.mark.parametrize("cfg", RESIDENT_CASES)
+@pytest.mark.parametrize("kind,mode", [("distinct", "window"), ("ties", "ends"), ("special", "none")])
+def test_topk_resident(cfg, kind, mode):
+    # register-resident path: windows, rows shorter than topk, ties, -inf / +inf / NaN
+    from nsa_backend.configs import topk as ct
+
+    warps, cap, emit = cfg
+    R, N, topk = 5, 700, 60
+    logits = _case_logits(R, N, kind)
+    starts, ends = _case_window(R, N, mode)
+    if ends is not None:
+        ends[1], ends[2] = 30, topk + 1  # a row shorter than topk, one just longer
+    if kind == "ties":
+        logits[2] = 0.0  # every key ties
+    out = kt.topk_indices_triton(logits, topk, starts, ends, config=ct.ResidentConfig(warps, 1, cap, emit))
+    _check_topk(out, logits, topk, starts, ends, kind == "distinct", what=f"{kind}-{mode}")
+
+
+def test_topk_resident_constant_rows():
+    # rows of one value (0, -inf, NaN): the threshold search runs through all 32 bits
+    from nsa_backend.configs import topk as ct
+
+    logits = torch.zeros(3, 300, device=DEVICE)
+    logits[1] = float("-inf")
+    logits[2] = float("nan")
+    for cap in (0, 128):
+        out = kt.topk_indices_triton(logits, 40, None, None, config=ct.ResidentConfig(4, 1, cap, 64))
+        _check_topk(out, logits, 40, None, None, False, what=f"constant cap={cap}")
+
+
+def test_topk_resident_routed(monkeypatch):
+    # many short rows take the register-resident path through the public op (causal ends)
+    from nsa_backend.configs import topk as ct
+
+    monkeypatch.setattr(ct, "RESIDENT_MIN_ROWS", 32)  # fewer rows, for the interpreter
+    R, N, topk = 40, 160, 24
+    assert ct.use_resident_path(N, R, topk)
+    logits = _distinct_logits(R, N, DEVICE)
+    ends = (torch.arange(R, device=DEVICE) % N + 1).int()
+    out = nb.topk_indices(logits, topk, None, ends, impl="triton")
+    _check_topk(out, logits, topk, None, ends, True, what="routed")
+
+
 @pytest.mark.parametrize("kind", ["distinct", "special"])
 def test_topk_row_bound_missed(monkeypatch, kind):
     # a bound with fewer than topk keys above it: every long row takes the streaming radix select
@@ -180,8 +234,16 @@ def test_topk_path_choice():
     from nsa_backend.configs import topk as ct
 
     assert ct.use_row_path(65536, 128, 2048) and ct.use_row_path(65536, 4096, 2048)
-    assert not ct.use_row_path(ct.SPLIT_MAX_N, ct.SPLIT_MIN_ROWS, 2048)
+    assert ct.use_row_path(ct.RESIDENT_MAX_N, ct.RESIDENT_MIN_ROWS - 1, 2048)
+    assert ct.use_resident_path(ct.RESIDENT_MAX_N, ct.RESIDENT_MIN_ROWS, 2048)
+    assert not ct.use_row_path(ct.RESIDENT_MAX_N, ct.RESIDENT_MIN_ROWS, 2048)
+    assert not ct.use_resident_path(ct.RESIDENT_MAX_N + 1, 4096, 2048)
+    assert not ct.use_resident_path(4096, 4096, ct.ROW_MAX_TOPK + 1)
     assert not ct.use_row_path(4096, 1, ct.ROW_MAX_TOPK + 1)
+    for max_n, cfg in ct.shipped_resident_configs():
+        assert ct.resident_config(max_n, 4096) == cfg
+        cap, fin = ct.resident_sizes(max_n, ct.ROW_MAX_TOPK, cfg)
+        assert cap >= max_n and fin == 0 and cap // (32 * cfg.num_warps) <= 64  # keys per thread
 
 
 def test_topk_split_path_large_topk():
@@ -248,6 +310,15 @@ _AOT_SCRIPT = textwrap.dedent("""
             sh = compile_aligned(kt._topk_row_kernel, sig, const, arch, cfg.num_warps,
                                  ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
             rows.append(["row", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
+        for max_n, cfg in ct.shipped_resident_configs():
+            cap, fin = ct.resident_sizes(max_n, ct.ROW_MAX_TOPK, cfg)
+            sig = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
+                       R="i32", **common, CAP="constexpr", FIN="constexpr", EMIT_BLOCK="constexpr",
+                       HAS_STARTS="constexpr", HAS_ENDS="constexpr")
+            const = dict(CAP=cap, FIN=fin, EMIT_BLOCK=cfg.emit_block, **flags)
+            sh = compile_aligned(kt._topk_resident_kernel, sig, const, arch, cfg.num_warps,
+                                 ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
+            rows.append(["resident", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
         sig = dict(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", out_ptr="*i32", K="i32", B="i32", M="i32",
                    stride_bt="i32", page_size="i32", BLOCK="constexpr")
         sh = compile_aligned(kt._topk_logical_to_global_kernel, sig, dict(BLOCK=ct.L2G_BLOCK), arch,
@@ -297,11 +368,12 @@ def test_fuzz_topk_indices_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,N,topk", [(1500, 9000, 2048), (1100, 40000, 2048), (600, 70000, 2048),
-                                      (300, 20000, 512)])
+@pytest.mark.parametrize("R,N,topk", [(1500, 9000, 2048), (1024, 32768, 2048), (1100, 40000, 2048),
+                                      (600, 70000, 2048), (300, 20000, 512), (1200, 5000, 512)])
 def test_topk_many_rows_gpu(R, N, topk):
-    # many rows: the split path (>= SPLIT_MIN_ROWS rows of <= SPLIT_MAX_N columns) and the
-    # whole-row path with several rows per persistent program; windows, ties, -inf and NaN
+    # many rows: the register-resident path (>= RESIDENT_MIN_ROWS rows of <= RESIDENT_MAX_N
+    # columns) and the whole-row path with several rows per persistent program; windows, ties,
+    # -inf and NaN
     gen = torch.Generator(device="cuda").manual_seed(R + N)
     for kind in ("randn", "ties"):
         if kind == "randn":
@@ -318,6 +390,40 @@ def test_topk_many_rows_gpu(R, N, topk):
         out = nb.topk_indices(logits, topk, starts, ends, impl="triton")
         # selected values compared (float32 randn rows may hold equal values)
         _check_topk(out, logits, topk, starts, ends, False, what=f"{kind} R={R} N={N}")
+
+
+def _resident_gpu_cases():
+    from nsa_backend.configs import topk as ct
+
+    cases = [(max_n, cfg) for max_n, cfg in ct.shipped_resident_configs()]
+    cases.append((40000, ct.ResidentConfig(16, 1, 16384, 1024)))  # chunked rows
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_n,cfg", _resident_gpu_cases())
+def test_topk_resident_gpu(max_n, cfg):
+    # every shipped register-resident configuration (and chunked rows) on rows of its largest
+    # length and of about half of it: windows, ties, -inf, NaN, rows shorter than topk
+    gen = torch.Generator(device="cuda").manual_seed(max_n)
+    for N in (max_n, max_n // 2 + 77):
+        R = 96
+        for kind in ("randn", "ties"):
+            if kind == "randn":
+                logits = torch.randn(R, N, device="cuda", generator=gen)
+            else:
+                logits = torch.randint(-20, 20, (R, N), device="cuda", generator=gen).float()
+                logits[:, ::5] = float("-inf")
+                logits[1, 3:40] = float("nan")
+                logits[2] = 0.0
+                logits[3] = float("-inf")
+            ends = torch.randint(0, N + 1, (R,), dtype=torch.int32, device="cuda", generator=gen)
+            ends[: R // 2] = N - R // 2 + torch.arange(R // 2, device="cuda", dtype=torch.int32)
+            starts = (ends - torch.randint(0, N + 1, (R,), device="cuda", generator=gen)).clamp(min=0).int()
+            for topk in (2048, 100):
+                for s in (None, starts):
+                    out = kt.topk_indices_triton(logits, topk, s, ends, config=cfg)
+                    _check_topk(out, logits, topk, s, ends, False, what=f"{cfg} {kind} N={N} topk={topk}")
 
 
 @pytest.mark.gpu
