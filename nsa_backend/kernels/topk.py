@@ -292,6 +292,25 @@ def _topk_finish_kernel(
 
 
 @triton.jit
+def _topk_row_start(x_ptr, out_ptr, starts_ptr, ends_ptr, i_r, N, K, stride_x, HAS_STARTS: tl.constexpr,
+                    HAS_ENDS: tl.constexpr):
+    # window [lo, hi) of row i_r and the row's input and output pointers
+    lo, hi = _topk_row_window(starts_ptr, ends_ptr, i_r, N, HAS_STARTS, HAS_ENDS)
+    p_x = x_ptr + tl.cast(i_r, tl.int64) * stride_x
+    p_out = out_ptr + tl.cast(i_r, tl.int64) * K
+    return lo, hi, p_x, p_out
+
+
+@triton.jit
+def _topk_store_all(p_out, lo, n, K, BLOCK: tl.constexpr):
+    # a row with n <= K valid columns: all of them in column order, then -1
+    o_b = tl.arange(0, BLOCK)
+    for j0 in range(0, K, BLOCK):
+        o_j = j0 + o_b
+        tl.store(p_out + o_j, tl.where(o_j < n, lo + o_j, -1), mask=o_j < K)
+
+
+@triton.jit
 def _topk_kth_key(b_key, m_key, k, LOW: tl.constexpr):
     # the k-th largest masked key (needs k <= masked count) with its lowest LOW bits cleared: the
     # largest t (a multiple of 2**LOW) with at least k masked keys >= t, found bit by bit (one
@@ -404,14 +423,11 @@ def _topk_row_kernel(
     p_sk = scratch_ptr + i_p.to(tl.int64) * (2 * CAP)  # keys of a long row's candidates
     p_si = p_sk + CAP  # their columns
     for i_r in range(i_p, R, n_prog):
-        lo, hi = _topk_row_window(starts_ptr, ends_ptr, i_r, N, HAS_STARTS, HAS_ENDS)
+        lo, hi, p_x, p_out = _topk_row_start(x_ptr, out_ptr, starts_ptr, ends_ptr, i_r, N, K, stride_x,
+                                             HAS_STARTS, HAS_ENDS)
         n = hi - lo
-        p_x = x_ptr + tl.cast(i_r, tl.int64) * stride_x
-        p_out = out_ptr + tl.cast(i_r, tl.int64) * K
         if n <= K:
-            for j0 in range(0, K, BLOCK):
-                o_j = j0 + o_b
-                tl.store(p_out + o_j, tl.where(o_j < n, lo + o_j, -1), mask=o_j < K)
+            _topk_store_all(p_out, lo, n, K, BLOCK)
         elif n <= CAP:
             m_c = o_c < n
             b_key = _topk_ordered_key(tl.load(p_x + lo + o_c, mask=m_c, other=0.0))
@@ -532,14 +548,11 @@ def _topk_resident_kernel(
     p_sk = scratch_ptr + i_p.to(tl.int64) * (2 * FIN)  # keys of a long row's chunk winners
     p_si = p_sk + FIN  # their columns
     for i_r in range(i_p, R, n_prog):
-        lo, hi = _topk_row_window(starts_ptr, ends_ptr, i_r, N, HAS_STARTS, HAS_ENDS)
+        lo, hi, p_x, p_out = _topk_row_start(x_ptr, out_ptr, starts_ptr, ends_ptr, i_r, N, K, stride_x,
+                                             HAS_STARTS, HAS_ENDS)
         n = hi - lo
-        p_x = x_ptr + tl.cast(i_r, tl.int64) * stride_x
-        p_out = out_ptr + tl.cast(i_r, tl.int64) * K
         if n <= K:
-            for j0 in range(0, K, CAP):
-                o_j = j0 + o_c
-                tl.store(p_out + o_j, tl.where(o_j < n, lo + o_j, -1), mask=o_j < K)
+            _topk_store_all(p_out, lo, n, K, CAP)
         elif n <= CAP:
             m_c = o_c < n
             b_key = tl.where(m_c, _topk_ordered_key(tl.load(p_x + lo + o_c, mask=m_c, other=0.0)), 0)

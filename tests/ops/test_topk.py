@@ -367,6 +367,26 @@ def test_fuzz_topk_indices_gpu():
                     what=f"case {case}: R={R} N={N} topk={topk} mode={mode} distinct={distinct}")
 
 
+def _many_rows(R: int, N: int, kind: str, gen: torch.Generator):
+    """``(logits, starts, ends)`` on ``gen``'s device: ``"randn"`` rows, or ``"ties"`` rows (small
+    integers, every fifth column ``-inf``, NaNs in row 1, row 2 all zero, row 3 all ``-inf``); the
+    first half of the rows end causally (``N - R // 2 + i``), the others at random, with random
+    window starts."""
+    dev = gen.device
+    if kind == "randn":
+        logits = torch.randn(R, N, device=dev, generator=gen)
+    else:
+        logits = torch.randint(-20, 20, (R, N), device=dev, generator=gen).float()
+        logits[:, ::5] = float("-inf")
+        logits[1, 3:40] = float("nan")
+        logits[2] = 0.0
+        logits[3] = float("-inf")
+    ends = torch.randint(0, N + 1, (R,), dtype=torch.int32, device=dev, generator=gen)
+    ends[: R // 2] = N - R // 2 + torch.arange(R // 2, device=dev, dtype=torch.int32)
+    starts = (ends - torch.randint(0, N + 1, (R,), device=dev, generator=gen)).clamp(min=0).int()
+    return logits, starts, ends
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("R,N,topk", [(1500, 9000, 2048), (1024, 32768, 2048), (1100, 40000, 2048),
                                       (600, 70000, 2048), (300, 20000, 512), (1200, 5000, 512)])
@@ -376,16 +396,7 @@ def test_topk_many_rows_gpu(R, N, topk):
     # -inf and NaN
     gen = torch.Generator(device="cuda").manual_seed(R + N)
     for kind in ("randn", "ties"):
-        if kind == "randn":
-            logits = torch.randn(R, N, device="cuda", generator=gen)
-        else:
-            logits = torch.randint(-20, 20, (R, N), device="cuda", generator=gen).float()
-            logits[:, ::5] = float("-inf")
-            logits[1, 3:40] = float("nan")
-            logits[2] = 0.0
-        ends = torch.randint(0, N + 1, (R,), dtype=torch.int32, device="cuda", generator=gen)
-        ends[:R // 2] = N - R // 2 + torch.arange(R // 2, device="cuda", dtype=torch.int32)  # causal-like
-        starts = (ends - torch.randint(0, N + 1, (R,), device="cuda", generator=gen)).clamp(min=0).int()
+        logits, starts, ends = _many_rows(R, N, kind, gen)
         starts[: R // 2] = 0
         out = nb.topk_indices(logits, topk, starts, ends, impl="triton")
         # selected values compared (float32 randn rows may hold equal values)
@@ -409,17 +420,7 @@ def test_topk_resident_gpu(max_n, cfg):
     for N in (max_n, max_n // 2 + 77):
         R = 96
         for kind in ("randn", "ties"):
-            if kind == "randn":
-                logits = torch.randn(R, N, device="cuda", generator=gen)
-            else:
-                logits = torch.randint(-20, 20, (R, N), device="cuda", generator=gen).float()
-                logits[:, ::5] = float("-inf")
-                logits[1, 3:40] = float("nan")
-                logits[2] = 0.0
-                logits[3] = float("-inf")
-            ends = torch.randint(0, N + 1, (R,), dtype=torch.int32, device="cuda", generator=gen)
-            ends[: R // 2] = N - R // 2 + torch.arange(R // 2, device="cuda", dtype=torch.int32)
-            starts = (ends - torch.randint(0, N + 1, (R,), device="cuda", generator=gen)).clamp(min=0).int()
+            logits, starts, ends = _many_rows(R, N, kind, gen)
             for topk in (2048, 100):
                 for s in (None, starts):
                     out = kt.topk_indices_triton(logits, topk, s, ends, config=cfg)
