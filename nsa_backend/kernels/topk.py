@@ -667,12 +667,20 @@ def topk_indices_triton(
     return out
 
 
+def _persistent_grid(logits, out, programs_per_sm, slab, needs_slab):
+    """Programs of a persistent row kernel and their scratch: one ``[2, slab]`` int32 slab (keys,
+    columns) per program when rows can outgrow the registers, else ``out`` as a placeholder."""
+    programs = max(1, min(logits.shape[0], programs_per_sm * device_sms(logits.device)))
+    if not needs_slab:
+        return programs, out
+    return programs, torch.empty(programs, 2, slab, dtype=torch.int32, device=logits.device)
+
+
 def _topk_rows(logits, topk, starts, ends, out, cfg):
     R, N = logits.shape
     cap = cfgs.row_capacity(topk, cfg)
-    programs = max(1, min(R, cfg.programs_per_sm * device_sms(logits.device)))
-    # keys and columns of a long row's candidates, one slab per program
-    scratch = torch.empty(programs, 2, cap, dtype=torch.int32, device=logits.device) if N > cap else out
+    # slab: a long row's candidates
+    programs, scratch = _persistent_grid(logits, out, cfg.programs_per_sm, cap, N > cap)
     _topk_row_kernel[(programs,)](
         logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
         BLOCK=cfg.block, CAP=cap, SAMPLE=cfgs.row_sample(cap), SIGMAS=cfgs.ROW_SIGMAS, PREFETCH=cfg.prefetch,
@@ -683,9 +691,8 @@ def _topk_rows(logits, topk, starts, ends, out, cfg):
 def _topk_resident(logits, topk, starts, ends, out, cfg):
     R, N = logits.shape
     cap, fin = cfgs.resident_sizes(N, topk, cfg)
-    programs = max(1, min(R, cfg.programs_per_sm * device_sms(logits.device)))
-    # keys and columns of a long row's chunk winners, one slab per program
-    scratch = torch.empty(programs, 2, fin, dtype=torch.int32, device=logits.device) if N > cap else out
+    # slab: a long row's chunk winners
+    programs, scratch = _persistent_grid(logits, out, cfg.programs_per_sm, fin, N > cap)
     _topk_resident_kernel[(programs,)](
         logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
         CAP=cap, FIN=fin, EMIT_BLOCK=cfg.emit_block, num_warps=cfg.num_warps,
