@@ -14,6 +14,7 @@
 | NSA_BACKEND_VLLM_TAKEOVER | str | ``off`` | ``off``, ``auto``, ``on`` or vLLM sparse-MLA backend names |
 | NSA_BACKEND_VLLM_INDEXER | str | ``auto`` | replace vLLM's ``SparseAttnIndexer`` (``auto``/``on``/``off``) |
 | NSA_BACKEND_VLLM_HC_PRENORM | str | ``auto`` | route vLLM's mHC pre-norm GEMM to nsa-backend |
+| NSA_BACKEND_GLUON | bool | ``1`` | ``0`` keeps the ``tl`` Triton kernels where a Gluon kernel exists |
 | NSA_BACKEND_CACHE | path | ``~/.cache/nsa-backend`` | where the test scripts keep their virtual environments |
 """
 
@@ -25,6 +26,7 @@ CONFIG = "NSA_BACKEND_CONFIG"
 FORCE_ARCH = "NSA_BACKEND_FORCE_ARCH"
 LOG_LEVEL = "NSA_BACKEND_LOG_LEVEL"
 CACHE = "NSA_BACKEND_CACHE"
+GLUON = "NSA_BACKEND_GLUON"
 # One override per op family; the family names are the config-file keys.
 FAMILY_VARS: dict[str, str] = {
     "indexer": "NSA_BACKEND_INDEXER",

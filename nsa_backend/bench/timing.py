@@ -3,10 +3,12 @@
 ``bench_ms(fn)`` is what every benchmark module times with, so all rows of one run are measured
 the same way:
 
-- CUDA, ``flush_l2=True`` (default): ``triton.testing.do_bench(fn, warmup, rep,
-  return_mode="median")`` when Triton is importable (it clears the L2 cache before every call);
-  otherwise the same procedure written with CUDA events and a 256 MiB buffer zeroed before
-  every call.
+- CUDA, ``flush_l2=True`` (default): CUDA events around every call, and before every call a
+  256 MiB buffer is *read* (summed), which leaves the L2 cache full of clean lines of that
+  buffer: every call starts cold. Zeroing the buffer instead (what ``triton.testing.do_bench``
+  does) leaves the L2 full of dirty lines, and the timed call then also pays for writing them
+  back to memory: up to ~60 MB of extra traffic, about 15 us on an H200, which is most of the
+  time of a call that reads 60 MB. ``flush_l2="write"`` times that way, for comparison.
 - CUDA, ``flush_l2=False``: CUDA events without the cache clear (warm-L2 numbers).
 - CPU: ``time.perf_counter`` around every call, median.
 - ``graph=True`` (CUDA): ``fn`` is captured once in a CUDA graph and the replay is timed, which is
@@ -46,7 +48,7 @@ def bench_ms(
     warmup: float = DEFAULT_WARMUP_MS,
     rep: float = DEFAULT_REP_MS,
     *,
-    flush_l2: bool = True,
+    flush_l2: bool | str = True,
     device: str | torch.device | None = None,
     graph: bool = False,
 ) -> float:
@@ -60,8 +62,10 @@ def bench_ms(
         Warm-up budget in ms (at least one call).
     rep : float
         Budget of the timed calls in ms (at least one call, at most ``MAX_CALLS``).
-    flush_l2 : bool
-        CUDA only: clear the L2 cache before every timed call (cold-cache numbers).
+    flush_l2 : bool or {"read", "write"}
+        CUDA only: evict the L2 cache before every timed call (cold-cache numbers). ``True`` or
+        ``"read"`` evicts by reading a large buffer; ``"write"`` by zeroing it (dirty lines that
+        the timed call writes back).
     device : str or torch.device, optional
         Where ``fn`` runs; ``None`` means CUDA when available, else CPU.
     graph : bool
@@ -72,18 +76,14 @@ def bench_ms(
     float
         Median milliseconds per call.
     """
+    if not (isinstance(flush_l2, bool) or flush_l2 in ("read", "write")):
+        raise ValueError(f"flush_l2 must be True, False, 'read' or 'write', got {flush_l2!r}")
     if not _on_cuda(device):
         return _bench_cpu(fn, warmup, rep)
     if graph:
         fn = cuda_graph_replay(fn)
-    if flush_l2:
-        try:
-            from triton.testing import do_bench
-        except ImportError:
-            do_bench = None
-        if do_bench is not None:
-            return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    return _bench_cuda_events(fn, warmup, rep, flush_l2)
+    mode = "read" if flush_l2 is True else (flush_l2 or None)
+    return _bench_cuda_events(fn, warmup, rep, mode)
 
 
 def cuda_graph_replay(fn: Callable[[], Any], warmup_calls: int = 2) -> Callable[[], Any]:
@@ -119,12 +119,16 @@ def _bench_cpu(fn: Callable[[], Any], warmup: float, rep: float) -> float:
     return float(statistics.median(times))
 
 
-def _bench_cuda_events(fn: Callable[[], Any], warmup: float, rep: float, flush_l2: bool) -> float:
-    cache = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush_l2 else None
+def _bench_cuda_events(fn: Callable[[], Any], warmup: float, rep: float, flush: str | None) -> float:
+    cache = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda") if flush else None
 
     def clear() -> None:
-        if cache is not None:
+        if cache is None:
+            return
+        if flush == "write":
             cache.zero_()
+        else:
+            cache.sum()
 
     fn()
     torch.cuda.synchronize()

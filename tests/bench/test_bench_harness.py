@@ -326,6 +326,20 @@ def test_bench_ms_cpu():
     assert tflops(None, 1.0) is None and gbps(1.0, None) is None
 
 
+@pytest.mark.parametrize("flush", ["zero", None, 1])
+def test_bench_ms_rejects_unknown_flush(flush):
+    with pytest.raises(ValueError, match="flush_l2"):
+        bench_ms(lambda: None, warmup=0, rep=0, device="cpu", flush_l2=flush)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("flush", [True, "read", "write", False])
+def test_bench_ms_cuda_flush_modes(flush):
+    x = torch.ones(1 << 20, device="cuda")
+    assert bench_ms(lambda: x.mul_(1.0), warmup=1, rep=5, flush_l2=flush) > 0
+
+
 def test_plots_skipped_without_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.warns(RuntimeWarning, match="matplotlib is not installed"):
