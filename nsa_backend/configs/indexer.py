@@ -41,6 +41,8 @@ PAGED_RESIDENT_DEFAULT = 4
 # every SM busy, or at least this many so that the last, partial one costs little.
 PAGED_ONE_WAVE = (0.5, 1.0)
 PAGED_MIN_WAVES = 2.0
+# Fewest keys per program when a batch is cut to fill one wave (shorter programs are mostly prologue).
+PAGED_MIN_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ class LogitsConfig:
     ``scale_ahead`` (paged kernel): load the key scales one tile ahead in registers (the compiler
     pipelines only the MMA operands). ``max_regs``: register cap per thread (0: the compiler's choice).
     ``resident`` (paged kernel): programs an SM runs at once, for :func:`paged_chunk`.
+    Paged kernel only: ``row_loop``: the query rows of a program take turns on each key tile (one
+    ``[block_n, HP]`` accumulator live instead of ``[block_n, rows * HP]``; ``rows <= 4``);
+    ``page_ahead``: with one-page tiles, the block-table entry of the scales is read a tile before
+    the scales; ``k_mask``: mask the key loads (``False``: every key address is clamped inside the
+    cache and keys that are not visible are set to ``-inf`` after the MMA, fewer instructions).
     """
 
     block_n: int
@@ -59,6 +66,9 @@ class LogitsConfig:
     scale_ahead: bool = True
     max_regs: int = 0
     resident: int = PAGED_RESIDENT_DEFAULT
+    row_loop: bool = False
+    page_ahead: bool = False
+    k_mask: bool = True
 
     def shared_bytes_estimate(self, head_dim: int, fp8_native: bool) -> int:
         """Pipelined key tiles plus the resident query tile (fp16 operands without native fp8)."""
@@ -92,6 +102,18 @@ RAGGED_WGMMA_COLS: dict[int, int] = {16: 256, 32: 256, 64: 128, 128: 128}
 # second over the copy rate, CUDA graph): 64-key tiles, 4 warps, 6 stages, scales a tile ahead reached
 # 0.54 / 0.67 / 0.76 / 0.81 / 0.86 at next_n 1 and 0.40 / 0.50 / 0.56 / 0.57 / 0.58 at next_n 2 (with
 # the chunks of :func:`paged_chunk`); 4 or 8 stages, 128-key tiles, 8 warps or register caps were slower.
+# sm_90 entries by (HP, rows) that replace the table above, from a second H200 sweep (same shapes, L2
+# evicted by reading; chunks of :func:`paged_chunk`), against the previous entries and chunk rule in
+# the same script: next_n 1 with page ids ahead and unmasked key loads, 0.67 / 0.79 / 0.84 / 0.89 /
+# 0.91 at 4K..64K (0.65 / 0.75 / 0.80 / 0.84 / 0.87); next_n 2 with the row loop and 8 stages (128
+# registers: 4 programs per SM against 3), 0.48 / 0.56 / 0.59 / 0.61 / 0.63 (0.45 / 0.50 / 0.57 /
+# 0.59 / 0.61). 8 to 12 stages without the row loop, register caps (spills in the loop), one row per
+# program and 128-key tiles (two page ids per tile) were slower or equal.
+PAGED_WGMMA_TUNED: dict[tuple[int, int], LogitsConfig] = {
+    (64, 1): LogitsConfig(64, 64, 4, 6, page_ahead=True, k_mask=False, resident=6),
+    (64, 2): LogitsConfig(64, 128, 4, 8, row_loop=True, k_mask=False, resident=4),
+}
+
 PAGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
     "wgmma": (LogitsConfig(64, 0, 4, 6), LogitsConfig(64, 0, 4, 4), LogitsConfig(64, 0, 4, 2)),
     "big": (LogitsConfig(128, 0, 4, 3), LogitsConfig(64, 0, 4, 3), LogitsConfig(64, 0, 4, 2)),
@@ -146,8 +168,12 @@ def paged_config(num_heads: int, next_n: int, head_dim: int, arch: int | None) -
     hp = padded_heads(num_heads)
     budget = shared_memory_budget(arch) * SHARED_MEMORY_MARGIN
     native = fp8_native(arch)
-    candidates = PAGED_CONFIGS[arch_kind(arch)]
+    kind = arch_kind(arch)
+    candidates = PAGED_CONFIGS[kind]
     rows = padded_next_n(next_n)
+    tuned = PAGED_WGMMA_TUNED.get((hp, rows)) if kind == "wgmma" else None
+    if tuned is not None and tuned.shared_bytes_estimate(head_dim, native) <= budget:
+        return tuned
     while True:
         cols = rows * hp
         for cfg in candidates:
@@ -164,16 +190,27 @@ def paged_config(num_heads: int, next_n: int, head_dim: int, arch: int | None) -
         rows //= 2
 
 
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
 def paged_chunk(batch: int, max_context_len: int, num_sms: int, block_n: int,
                 resident: int = PAGED_RESIDENT_DEFAULT) -> int:
     """Keys per paged program for ``batch`` requests of up to ``max_context_len`` keys.
 
     The grid has ``batch * cdiv(max_context_len, chunk)`` programs, ``resident * num_sms`` of which
-    run at once. The largest chunk giving one wave that keeps every SM busy wins, then the largest
-    giving at least ``PAGED_MIN_WAVES`` waves, then the smallest (short or few contexts).
+    run at once. When every request fits in one wave, each request is cut into as many equal
+    chunks (whole tiles, at least ``PAGED_MIN_CHUNK`` keys) as one wave holds, so that one wave
+    fills every slot. Larger batches take the largest chunk of ``PAGED_CHUNKS`` giving one wave
+    that keeps every SM busy, then the largest giving at least ``PAGED_MIN_WAVES`` waves, then the
+    smallest.
     """
-    chunks = [c for c in PAGED_CHUNKS if c % block_n == 0] or [block_n]
     slots = max(1, resident * num_sms)
+    per_request = slots // max(batch, 1)
+    if per_request >= 1:
+        per_program = -(-max_context_len // per_request)
+        return max(_round_up(per_program, block_n), _round_up(PAGED_MIN_CHUNK, block_n))
+    chunks = [c for c in PAGED_CHUNKS if c % block_n == 0] or [block_n]
     waves = {c: batch * -(-max_context_len // c) / slots for c in chunks}
     lo, hi = PAGED_ONE_WAVE
     for chunk in chunks:

@@ -3,11 +3,12 @@
 The GEMM ``d = a @ b.T`` with ``N <= 128`` is bound by reading ``a`` (``M x K`` bf16) from memory,
 so the tables below aim at bytes in flight, not at tensor-core shapes. Two paths:
 
-- stacked parts (:func:`uses_b_parts`): ``b`` is split once per call into its three bf16 parts,
-  which the GEMM loop multiplies as one tile of ``4 * block_n`` rows; one program per SM with a deep
-  pipeline (``PARTS_CONFIGS``, ``PARTS_PROGRAMS_PER_SM``). Used where it was measured: the H200
-  (sm_90), ``bf16x3``, ``block_n == PARTS_BLOCK_N`` (N in 17..32, DeepSeek-V4's N = 24) and
-  ``M`` above the small-M tiles.
+- stacked parts (:func:`uses_b_parts`): ``b`` is split once per call into its bf16 parts
+  (``PARTS_PRECISION``: two for ``bf16x2``, three for ``bf16x3``), which the GEMM loop multiplies as
+  one tile of ``2 * block_n`` (``4 * block_n``) rows; one program per SM with a deep pipeline
+  (``PARTS_CONFIGS``, ``PARTS_PROGRAMS_PER_SM``), kernels chained by programmatic dependent launch on
+  ``PDL_ARCHS``. Used where it was measured: the H200 (sm_90), ``block_n == PARTS_BLOCK_N`` (N in
+  17..32, DeepSeek-V4's N = 24) and ``M`` above the small-M tiles.
 - otherwise ``b`` is read as fp32 and split inside the loop: ``GEMM_CONFIGS[block_n]`` lists
   candidate tiles, best first; :func:`gemm_config` returns the first one whose estimated shared
   memory fits the architecture (``SHARED_MEMORY_LIMIT``), and small ``M`` shrinks ``block_m`` to
@@ -46,15 +47,28 @@ PROGRAM_OVERHEAD_K = 64
 # to TF32, as DeepGEMM). On the H200 bf16x3 was 1.6-2.0x faster than tf32 (the fp32 operand path
 # costs more than the extra MMAs), so it is the default.
 DEFAULT_PRECISION = "bf16x3"
-PRECISIONS: tuple[str, ...] = ("tf32", "bf16x3")
+PRECISIONS: tuple[str, ...] = ("tf32", "bf16x3", "bf16x2")
 
 # Stacked-parts path (H200 sweeps in bench/results/h200/tuning/mhc.parts.md): a small kernel splits b into
-# [3, N, K] bf16 (SPLIT_B_BLOCK values per program); the GEMM program (8 warps, 6 stages, ~176 KiB of
-# shared memory: one per SM) multiplies the a tile with the stacked parts, keeps the square sums 2-D and
-# reduces them once after the loop; K chunks are planned for PARTS_PROGRAMS_PER_SM programs per SM.
+# [P, N, K] bf16 (SPLIT_B_BLOCK values per program); the GEMM program (8 warps, 6 stages, 128 KiB of
+# shared memory for bf16x2, 176 KiB for bf16x3: one per SM) multiplies the a tile with the stacked parts,
+# keeps the square sums 2-D and reduces them once after the loop; K chunks are planned for
+# PARTS_PROGRAMS_PER_SM programs per SM.
 PARTS_ARCHS: tuple[int, ...] = (90,)
 PARTS_BLOCK_N = 32
 PARTS_PROGRAMS_PER_SM = 1
+# Precision of the stacked-parts path: "bf16x3" (three parts, about fp32) or "bf16x2" (b ~ hi + lo,
+# 16 significant bits of b, still 32x finer than TF32's rounding; half the stacked tile and MMA work).
+# H200, N = 24, K = 28672, graph: bf16x2 read a at 0.50 / 0.64 / 0.77 / 0.85 / 0.93 of the copy rate
+# at M = 1024 .. 16384 against 0.46 / 0.59 / 0.69 / 0.74 / 0.77 for bf16x3 (same run).
+PARTS_PRECISION = "bf16x2"
+# Archs where the stacked-parts path launches its GEMM and reduction kernels with programmatic
+# dependent launch (each starts while the previous kernel runs and waits for it in-kernel). Off
+# everywhere: on the H200 it gained 1-6 % (0.51 / 0.66 / 0.79 / 0.87 / 0.93 of the copy rate against
+# 0.48 / 0.64 / 0.77 / 0.87 / 0.91 without), and two untested-for-shipping tiles (64-row, 2 programs
+# per SM) gave wrong sums with it on, for a reason not found. The shipped tile passed every check with
+# PDL; (90,) turns it on.
+PDL_ARCHS: tuple[int, ...] = ()
 SPLIT_B_BLOCK = 2048
 SPLIT_B_NUM_WARPS = 4
 
@@ -77,10 +91,10 @@ class GemmConfig:
     num_warps: int
     num_stages: int
 
-    def shared_bytes_estimate(self, block_n: int, b_parts: bool = False) -> int:
+    def shared_bytes_estimate(self, block_n: int, b_parts: bool = False, precision: str = "bf16x3") -> int:
         """Pipelined tiles of ``a`` (bf16) and ``b`` held in shared memory: ``b`` as fp32, or as the
-        stacked bf16 parts (``4 * block_n`` rows) with ``b_parts``."""
-        b_bytes = 2 * 4 * block_n if b_parts else 4 * block_n
+        stacked bf16 parts (``4 * block_n`` rows, ``2 * block_n`` for ``bf16x2``) with ``b_parts``."""
+        b_bytes = 2 * (2 if precision == "bf16x2" else 4) * block_n if b_parts else 4 * block_n
         return self.num_stages * self.block_k * (2 * self.block_m + b_bytes)
 
 
@@ -90,6 +104,13 @@ GEMM_CONFIGS: dict[int, tuple[GemmConfig, ...]] = {
     64: (GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3)),
     128: (GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3), GemmConfig(64, 64, 4, 2)),
 }
+# Stacked parts, bf16x2 with PDL, H200 (triton 3.6), graph, M = 1024 / 2048 / 4096 / 8192 / 16384, of the copy
+# rate: (128, 64, 8, 6) 0.51 / 0.66 / 0.79 / 0.87 / 0.93. Also measured, not shipped: 8 stages (same within
+# noise), (128, 128, 8, 4) 0.50 / 0.66 / 0.80 / 0.89 / 0.92, (64, 64, 4, 6) at 2 programs per SM (same within
+# noise, and one wrong result after CUDA-graph replays at M = 2048), (64, 128, 4, 3) at 2 per SM (wrong
+# sums); the K chunks added by the last program of each row tile (arrival counters) instead of the
+# reduction kernel: no gain (-8 % at M = 1024, +3 % at 8192), and wrong sums with bf16x3 under triton 3.6;
+# the parts made in registers (d^T = parts @ a^T, no split kernel): 0.39-0.68 (0.44-0.86 with 256-row tiles).
 PARTS_CONFIGS: tuple[GemmConfig, ...] = (GemmConfig(128, 64, 8, 6),)
 
 
@@ -112,7 +133,7 @@ def gemm_config(n: int, m: int, arch: int | None, precision: str = DEFAULT_PRECI
     block_n = block_n_for(n)
     if uses_b_parts(block_n, m, arch, precision):
         return block_n, first_fitting(PARTS_CONFIGS, arch, SHARED_MEMORY_MARGIN,
-                                      lambda c: c.shared_bytes_estimate(block_n, True))
+                                      lambda c: c.shared_bytes_estimate(block_n, True, PARTS_PRECISION))
     cfg = first_fitting(GEMM_CONFIGS[block_n], arch, SHARED_MEMORY_MARGIN,
                         lambda c: c.shared_bytes_estimate(block_n))
     for bm in SMALL_BLOCK_M:

@@ -24,7 +24,16 @@ unless the query tile would not fit the architecture's shared memory). Decode is
 bytes of the cache, so its loop keeps the key tile an MMA operand in shared memory (the fp8
 values are loaded through a typed pointer, not bitcast after the load), looks up one page id per
 tile when a tile is a whole page, and loads the scales (which the compiler does not pipeline) a
-tile ahead in registers.
+tile ahead in registers. Options selected by the launch configuration:
+
+- ``ROW_LOOP``: the ``NP`` rows take turns on each key tile (one ``[BLOCK_N, HP]`` MMA per row),
+  so one row's accumulator is live instead of ``[BLOCK_N, NP * HP]`` (fewer registers, more
+  programs per SM); the key tile is still read once.
+- ``PG_AHEAD`` (one-page tiles): the block-table entry of the scales is read one tile before the
+  scales, so that load's latency is off the loop's path.
+- ``K_MASK=False``: key loads are not masked; every address stays inside the cache (invalid pages
+  read page 0, keys past a context read other rows of their page) and those keys' logits are set
+  to ``-inf`` after the MMA (a key row only affects its own logit).
 """
 
 from __future__ import annotations
@@ -168,11 +177,8 @@ def _indexer_paged_keys(p_bt, t0, hi, num_pages, max_blocks, stride_page, PAGE: 
 
 
 @triton.jit
-def _indexer_paged_scales(kv_ptr, p_bt, t0, hi, num_pages, max_blocks, stride_page, D: tl.constexpr,
-                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_ALIGNED: tl.constexpr):
-    # fp32 scales of keys [t0, t0 + BLOCK_N) (0 where masked) and the valid-key mask
-    o_pg, o_in, m_pg = _indexer_paged_keys(p_bt, t0, hi, num_pages, max_blocks, stride_page, PAGE, BLOCK_N)
-    p_sc = kv_ptr + o_pg + PAGE * D + o_in * 4
+def _indexer_paged_scale_load(p_sc, m_pg, SCALE_ALIGNED: tl.constexpr):
+    # fp32 scales at byte pointers p_sc (0 where masked), byte-wise when pages are not 4-byte aligned
     if SCALE_ALIGNED:
         b_sc = tl.load(p_sc.to(tl.pointer_type(tl.float32)), mask=m_pg, other=0.0)
     else:
@@ -181,7 +187,64 @@ def _indexer_paged_scales(kv_ptr, p_bt, t0, hi, num_pages, max_blocks, stride_pa
         b_sc |= tl.load(p_sc + 2, mask=m_pg, other=0).to(tl.uint32) << 16
         b_sc |= tl.load(p_sc + 3, mask=m_pg, other=0).to(tl.uint32) << 24
         b_sc = b_sc.to(tl.float32, bitcast=True)
+    return b_sc
+
+
+@triton.jit
+def _indexer_paged_scales(kv_ptr, p_bt, t0, hi, num_pages, max_blocks, stride_page, D: tl.constexpr,
+                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_ALIGNED: tl.constexpr):
+    # fp32 scales of keys [t0, t0 + BLOCK_N) (0 where masked) and the valid-key mask
+    o_pg, o_in, m_pg = _indexer_paged_keys(p_bt, t0, hi, num_pages, max_blocks, stride_page, PAGE, BLOCK_N)
+    b_sc = _indexer_paged_scale_load(kv_ptr + o_pg + PAGE * D + o_in * 4, m_pg, SCALE_ALIGNED)
     return b_sc, m_pg
+
+
+@triton.jit
+def _indexer_paged_page_scales(kv_ptr, i_pg, t0, hi, num_pages, stride_page, D: tl.constexpr,
+                               PAGE: tl.constexpr, SCALE_ALIGNED: tl.constexpr):
+    # scales and valid-key mask of the one-page tile [t0, t0 + PAGE) on page i_pg (a block-table
+    # entry loaded a tile earlier, so its latency is not on the loop's path)
+    o_in = tl.arange(0, PAGE)
+    i_pg = i_pg + tl.zeros([PAGE], dtype=tl.int32)
+    m_ok = (i_pg >= 0) & (i_pg < num_pages)
+    m_pg = m_ok & (t0 + o_in < hi)
+    o_pg = tl.where(m_ok, i_pg, 0).to(tl.int64) * stride_page
+    b_sc = _indexer_paged_scale_load(kv_ptr + o_pg + PAGE * D + o_in * 4, m_pg, SCALE_ALIGNED)
+    return b_sc, m_pg
+
+
+@triton.jit
+def _indexer_paged_query(q_ptr, w_ptr, i_b, j, NEXT_N, H, w_scale, D: tl.constexpr, HP: tl.constexpr,
+                         FP8_NATIVE: tl.constexpr):
+    # query row j of request i_b: [HP, D] tile and [HP] weights (zero for padded heads and rows)
+    o_h = tl.arange(0, HP)
+    o_d = tl.arange(0, D)
+    m_h = (o_h < H) & ((o_h * 0 + j) < NEXT_N)
+    o_qh = (i_b * NEXT_N + j).to(tl.int64) * H + o_h
+    b_q = tl.load(q_ptr + o_qh[:, None] * D + o_d[None, :], mask=m_h[:, None], other=0.0)  # [HP, D]
+    b_w = tl.load(w_ptr + o_qh, mask=m_h, other=0.0) * w_scale  # [HP]
+    if not FP8_NATIVE:
+        b_q = _indexer_e4m3_bits_to_f16(b_q)
+    return b_q, b_w
+
+
+@triton.jit
+def _indexer_paged_visible(ctx_ptr, i_b, j, NEXT_N, max_ctx, CTX_2D: tl.constexpr):
+    # keys visible to row j of request i_b (0 for a padded row)
+    if CTX_2D:
+        vis = tl.load(ctx_ptr + i_b.to(tl.int64) * NEXT_N + tl.minimum(j, NEXT_N - 1))
+    else:
+        vis = tl.load(ctx_ptr + i_b) - NEXT_N + 1 + j
+    return tl.where(j < NEXT_N, tl.minimum(tl.maximum(vis, 0), max_ctx), 0)
+
+
+@triton.jit
+def _indexer_paged_row(b_k, b_q, b_w, b_sc, m_pg, o_t, vis, p_row, j, NEXT_N, c1):
+    # logits of query row j against one key tile: [BLOCK_N] stored at p_row + o_t
+    b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, HP]
+    b_l = tl.sum(tl.maximum(b_s, 0.0) * b_w[None, :], axis=1) * b_sc  # [BLOCK_N]
+    b_l = tl.where((o_t >= vis) | (~m_pg), float("-inf"), b_l)
+    tl.store(p_row + o_t, b_l, mask=(o_t < c1) & ((o_t * 0 + j) < NEXT_N))
 
 
 @triton.jit
@@ -211,6 +274,9 @@ def _indexer_paged_logits_kernel(
     FP8_NATIVE: tl.constexpr,
     SCALE_ALIGNED: tl.constexpr,
     SC_AHEAD: tl.constexpr,
+    ROW_LOOP: tl.constexpr,
+    PG_AHEAD: tl.constexpr,
+    K_MASK: tl.constexpr,
 ):
     # program (i_bg, i_c): rows [j0, j0 + NP) of request i_b, keys [i_c * CHUNK, (i_c + 1) * CHUNK)
     i_bg = tl.program_id(0)
@@ -230,46 +296,98 @@ def _indexer_paged_logits_kernel(
     c1 = tl.minimum(c0 + CHUNK, max_ctx)
     hi = tl.minimum(c1, kmax)
 
-    o_c = tl.arange(0, NP * HP)
     o_d = tl.arange(0, D)
-    o_cj = (i_bg % n_groups) * NP + o_c // HP
-    o_ch = o_c % HP
-    m_c = (o_cj < NEXT_N) & (o_ch < H)
-    o_qh = (i_b * NEXT_N + o_cj).to(tl.int64) * H + o_ch
-    b_q = tl.load(q_ptr + o_qh[:, None] * D + o_d[None, :], mask=m_c[:, None], other=0.0)  # [NP*HP, D]
-    b_w = tl.load(w_ptr + o_qh, mask=m_c, other=0.0) * w_scale  # [NP*HP]
-    if not FP8_NATIVE:
-        b_q = _indexer_e4m3_bits_to_f16(b_q)
+    if ROW_LOOP:
+        # one [HP, D] query tile per row (NP <= 4): the rows take turns on each key tile, so only one
+        # row's [BLOCK_N, HP] accumulator is live at a time
+        j0 = (i_bg % n_groups) * NP
+        b_q0, b_w0 = _indexer_paged_query(q_ptr, w_ptr, i_b, j0, NEXT_N, H, w_scale, D, HP, FP8_NATIVE)
+        vis0 = _indexer_paged_visible(ctx_ptr, i_b, j0, NEXT_N, max_ctx, CTX_2D)
+        p_row0 = out_ptr + (i_b * NEXT_N + j0).to(tl.int64) * stride_out
+        if NP >= 2:
+            b_q1, b_w1 = _indexer_paged_query(q_ptr, w_ptr, i_b, j0 + 1, NEXT_N, H, w_scale, D, HP,
+                                              FP8_NATIVE)
+            vis1 = _indexer_paged_visible(ctx_ptr, i_b, j0 + 1, NEXT_N, max_ctx, CTX_2D)
+            p_row1 = p_row0 + stride_out
+        if NP >= 4:
+            b_q2, b_w2 = _indexer_paged_query(q_ptr, w_ptr, i_b, j0 + 2, NEXT_N, H, w_scale, D, HP,
+                                              FP8_NATIVE)
+            vis2 = _indexer_paged_visible(ctx_ptr, i_b, j0 + 2, NEXT_N, max_ctx, CTX_2D)
+            p_row2 = p_row1 + stride_out
+            b_q3, b_w3 = _indexer_paged_query(q_ptr, w_ptr, i_b, j0 + 3, NEXT_N, H, w_scale, D, HP,
+                                              FP8_NATIVE)
+            vis3 = _indexer_paged_visible(ctx_ptr, i_b, j0 + 3, NEXT_N, max_ctx, CTX_2D)
+            p_row3 = p_row2 + stride_out
+    else:
+        o_c = tl.arange(0, NP * HP)
+        o_cj = (i_bg % n_groups) * NP + o_c // HP
+        o_ch = o_c % HP
+        m_c = (o_cj < NEXT_N) & (o_ch < H)
+        o_qh = (i_b * NEXT_N + o_cj).to(tl.int64) * H + o_ch
+        b_q = tl.load(q_ptr + o_qh[:, None] * D + o_d[None, :], mask=m_c[:, None], other=0.0)  # [NP*HP, D]
+        b_w = tl.load(w_ptr + o_qh, mask=m_c, other=0.0) * w_scale  # [NP*HP]
+        if not FP8_NATIVE:
+            b_q = _indexer_e4m3_bits_to_f16(b_q)
     p_out = out_ptr + (i_b * NEXT_N + o_j).to(tl.int64)[None, :] * stride_out  # [1, NP]
     p_bt = bt_ptr + i_b.to(tl.int64) * stride_bt
 
     if SC_AHEAD:
         # scales (not an MMA operand, so not pipelined by the compiler) are loaded a tile ahead
-        b_sc_next, m_pg_next = _indexer_paged_scales(kv_ptr, p_bt, c0, hi, num_pages, max_blocks, stride_page,
-                                                     D, PAGE, BLOCK_N, SCALE_ALIGNED)
+        if PG_AHEAD:
+            # one-page tiles: the block-table entry of the scales is read one more tile ahead
+            i_pg_next = tl.load(p_bt + tl.minimum(c0 // PAGE, max_blocks - 1))
+            b_sc_next, m_pg_next = _indexer_paged_page_scales(kv_ptr, i_pg_next, c0, hi, num_pages,
+                                                              stride_page, D, PAGE, SCALE_ALIGNED)
+            i_pg_next = tl.load(p_bt + tl.minimum(c0 // PAGE + 1, max_blocks - 1))
+        else:
+            b_sc_next, m_pg_next = _indexer_paged_scales(kv_ptr, p_bt, c0, hi, num_pages, max_blocks,
+                                                         stride_page, D, PAGE, BLOCK_N, SCALE_ALIGNED)
     for t0 in range(c0, hi, BLOCK_N):
         o_t = t0 + tl.arange(0, BLOCK_N)
         o_pg, o_in, m_k = _indexer_paged_keys(p_bt, t0, hi, num_pages, max_blocks, stride_page, PAGE, BLOCK_N)
         p_k = kv_ptr + (o_pg + o_in * D)[:, None] + o_d[None, :]  # [BLOCK_N, D]
         if FP8_NATIVE:
             # a typed load (not a bitcast of loaded bytes) keeps the tile an MMA operand in shared memory
-            b_k = tl.load(p_k.to(tl.pointer_type(tl.float8e4nv)), mask=m_k[:, None], other=0.0)
+            if K_MASK:
+                b_k = tl.load(p_k.to(tl.pointer_type(tl.float8e4nv)), mask=m_k[:, None], other=0.0)
+            else:
+                # every key address lies inside the cache (invalid pages read page 0, keys past the
+                # context read their page's other rows): their logits are replaced by -inf below
+                b_k = tl.load(p_k.to(tl.pointer_type(tl.float8e4nv)))
         else:
-            b_k = _indexer_e4m3_bits_to_f16(tl.load(p_k, mask=m_k[:, None], other=0))
+            if K_MASK:
+                b_k = _indexer_e4m3_bits_to_f16(tl.load(p_k, mask=m_k[:, None], other=0))
+            else:
+                b_k = _indexer_e4m3_bits_to_f16(tl.load(p_k))
         if SC_AHEAD:
             b_sc = b_sc_next
             m_pg = m_pg_next
-            b_sc_next, m_pg_next = _indexer_paged_scales(kv_ptr, p_bt, t0 + BLOCK_N, hi, num_pages, max_blocks,
-                                                         stride_page, D, PAGE, BLOCK_N, SCALE_ALIGNED)
+            if PG_AHEAD:
+                b_sc_next, m_pg_next = _indexer_paged_page_scales(kv_ptr, i_pg_next, t0 + BLOCK_N, hi,
+                                                                  num_pages, stride_page, D, PAGE,
+                                                                  SCALE_ALIGNED)
+                i_pg_next = tl.load(p_bt + tl.minimum(t0 // PAGE + 2, max_blocks - 1))
+            else:
+                b_sc_next, m_pg_next = _indexer_paged_scales(kv_ptr, p_bt, t0 + BLOCK_N, hi, num_pages,
+                                                             max_blocks, stride_page, D, PAGE, BLOCK_N,
+                                                             SCALE_ALIGNED)
         else:
             b_sc, m_pg = _indexer_paged_scales(kv_ptr, p_bt, t0, hi, num_pages, max_blocks, stride_page,
                                                D, PAGE, BLOCK_N, SCALE_ALIGNED)
-        b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, NP*HP]
-        b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
-        b_l = tl.sum(tl.reshape(b_s, (BLOCK_N, NP, HP)), axis=2) * b_sc[:, None]  # [BLOCK_N, NP]
-        m_hide = (o_t[:, None] >= b_vis[None, :]) | (~m_pg)[:, None]
-        b_l = tl.where(m_hide, float("-inf"), b_l)
-        tl.store(p_out + o_t[:, None], b_l, mask=m_j[None, :] & (o_t < c1)[:, None])
+        if ROW_LOOP:
+            _indexer_paged_row(b_k, b_q0, b_w0, b_sc, m_pg, o_t, vis0, p_row0, j0, NEXT_N, c1)
+            if NP >= 2:
+                _indexer_paged_row(b_k, b_q1, b_w1, b_sc, m_pg, o_t, vis1, p_row1, j0 + 1, NEXT_N, c1)
+            if NP >= 4:
+                _indexer_paged_row(b_k, b_q2, b_w2, b_sc, m_pg, o_t, vis2, p_row2, j0 + 2, NEXT_N, c1)
+                _indexer_paged_row(b_k, b_q3, b_w3, b_sc, m_pg, o_t, vis3, p_row3, j0 + 3, NEXT_N, c1)
+        else:
+            b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, NP*HP]
+            b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
+            b_l = tl.sum(tl.reshape(b_s, (BLOCK_N, NP, HP)), axis=2) * b_sc[:, None]  # [BLOCK_N, NP]
+            m_hide = (o_t[:, None] >= b_vis[None, :]) | (~m_pg)[:, None]
+            b_l = tl.where(m_hide, float("-inf"), b_l)
+            tl.store(p_out + o_t[:, None], b_l, mask=m_j[None, :] & (o_t < c1)[:, None])
 
     # keys of this chunk that no row of the request sees
     b_inf = tl.full([BLOCK_N, NP], float("-inf"), tl.float32)
@@ -481,13 +599,14 @@ def fp8_paged_mqa_logits_triton(
     out = torch.empty(B * next_n, max_context_len, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    if block_table.shape[1] == 0:  # no page: no visible key
+    if block_table.shape[1] == 0 or num_pages == 0:  # no page: no visible key
         return out.fill_(float("-inf"))
     arch = device_arch(q.device)
     native = cfgs.fp8_native(arch)
     cfg = config or cfgs.paged_config(H, next_n, D, arch)
     block_n = cfg.block_n
     chunk = chunk or cfgs.paged_chunk(B, max_context_len, device_sms(q.device), block_n, cfg.resident)
+    chunk = triton.cdiv(chunk, block_n) * block_n  # tiles start at multiples of block_n
     stride_page = kv_cache.stride(0)
     aligned = stride_page % 4 == 0 and kv_cache.data_ptr() % 4 == 0
     hp = cfgs.padded_heads(H)
@@ -500,6 +619,8 @@ def fp8_paged_mqa_logits_triton(
         1.0 if native else _DECODE_SCALE, next_n, chunk,
         NP=rows, D=D, HP=hp, PAGE=page, BLOCK_N=block_n,
         CTX_2D=context_lens.dim() == 2, FP8_NATIVE=native, SCALE_ALIGNED=aligned, SC_AHEAD=cfg.scale_ahead,
+        ROW_LOOP=cfg.row_loop,
+        PG_AHEAD=cfg.scale_ahead and cfg.page_ahead and block_n == page, K_MASK=cfg.k_mask,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg),
     )
     return out

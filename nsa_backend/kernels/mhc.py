@@ -14,15 +14,17 @@ one program per ``(M tile, chunk)``; with more than one chunk the partial sums g
 workspace ``[S * NUM_CHUNKS, M * N + M]`` and a second kernel adds them in a fixed order. No
 atomics: results are deterministic for a given shape and GPU.
 
-Two ways to multiply with the fp32 ``b`` at about fp32 accuracy (``bf16x3``), chosen by
-``nsa_backend.configs.mhc.uses_b_parts``:
+Two ways to multiply with the fp32 ``b``, chosen by ``nsa_backend.configs.mhc.uses_b_parts``:
 
-- stacked parts: a small kernel splits ``b`` once per call into its three bf16 parts ``[3, N, K]``;
-  the GEMM loop multiplies the ``a`` tile with the parts stacked in one tile of ``4 * BLOCK_N`` rows
-  (one tensor-core MMA per step, both operands straight from the pipelined shared-memory buffers) and
-  adds the parts after the loop; square sums are kept per (row, column of the step) and reduced once
-  after the loop. On the H200 this reads ``a`` 1.13-1.17x faster than the in-loop split (with the
-  same square sums) for M >= 4096 (``bench/results/h200/tuning/mhc.parts.md``).
+- stacked parts (sm_90, N in 17..32, M > 64): a small kernel splits ``b`` once per call into its
+  bf16 parts, ``[2, N, K]`` for ``bf16x2`` (``b ~ hi + lo``, the shipped ``PARTS_PRECISION``) or
+  ``[3, N, K]`` for ``bf16x3``; the GEMM loop multiplies the ``a`` tile with the parts stacked in one
+  tile of ``2 * BLOCK_N`` (``4 * BLOCK_N``) rows (one tensor-core MMA per step, both operands straight
+  from the pipelined shared-memory buffers) and adds the parts after the loop; square sums are kept
+  per (row, column of the step) and reduced once after the loop. On the archs in ``PDL_ARCHS``
+  (none by default) the GEMM and reduction kernels use programmatic dependent launch: each starts
+  while the kernel before it runs and waits for it (``griddepcontrol``) before reading its output.
+  H200 sweeps: ``bench/results/h200/tuning/mhc.parts.md``.
 - in-loop split: every step splits the fp32 ``b`` tile into the three parts in registers and runs
   three MMAs (the path for other archs, other N tiles, small M and the ``tf32`` precision).
 """
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nsa_backend import envs
 from nsa_backend.configs import mhc as cfgs
@@ -49,6 +52,7 @@ __all__ = ["split_plan", "tf32_hc_prenorm_gemm_triton"]
     "BF16_DOT_AS_FP32": lambda args: envs.triton_interpret(),
     "EVEN_K": lambda args: (args["K"] % args["BLOCK_K"] == 0 and args["SPLIT_K"] % args["BLOCK_K"] == 0
                             and args["CHUNK_K"] % args["BLOCK_K"] == 0),
+    "PARTS_TILE": lambda args: _parts_tile(args["PRECISION"]),
 })
 # N stays unspecialised: with N a multiple of 16 (e.g. 32) the stacked-parts variant compiled under
 # triton 3.6 for sm_90 gave wrong sums on the H200; N = 24 (not specialised) was exact.
@@ -72,11 +76,18 @@ def _mhc_prenorm_gemm_kernel(
     PRECISION: tl.constexpr,
     B_PARTS: tl.constexpr,
     SQ_2D: tl.constexpr,
+    USE_PDL: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PARTS_TILE: tl.constexpr,
     BF16_DOT_AS_FP32: tl.constexpr,
 ):
-    # a: [M, K] bf16. b: [N, K] fp32, or with B_PARTS its three bf16 parts [3, N, K] (b = hi + mid + lo).
-    # d: slot i_t at d_ptr + i_t * stride_dt, [M, N] fp32; sq: slot i_t at sq_ptr + i_t * stride_st, [M] fp32.
+    # a: [M, K] bf16. b: [N, K] fp32, or with B_PARTS its bf16 parts [P, N, K] (b = hi + mid + lo for
+    # bf16x3, hi + lo for bf16x2). d: slot i_t at d_ptr + i_t * stride_dt, [M, N] fp32; sq: slot i_t at
+    # sq_ptr + i_t * stride_st, [M] fp32. USE_PDL (programmatic dependent launch, sm_90+): the next
+    # kernel may start its programs now; b (the parts) is read after the split kernel completed.
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     i_m, i_t = tl.program_id(0), tl.program_id(1)
     i_s = i_t // NUM_CHUNKS
     i_c = i_t % NUM_CHUNKS
@@ -90,11 +101,11 @@ def _mhc_prenorm_gemm_kernel(
     m_n = o_n < N
     p_a = a_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
     if B_PARTS:
-        # rows r = part * BLOCK_N + n: the three parts stacked in one tile (part 3: zeros).
-        o_r = tl.arange(0, 4 * BLOCK_N)
-        m_r = ((o_r % BLOCK_N) < N) & (o_r < 3 * BLOCK_N)
+        # rows r = part * BLOCK_N + n: the parts stacked in one tile (bf16x3: a fourth part of zeros).
+        o_r = tl.arange(0, PARTS_TILE * BLOCK_N)
+        m_r = ((o_r % BLOCK_N) < N) & (o_r < (PARTS_TILE - PARTS_TILE // 4) * BLOCK_N)
         p_b = b_ptr + ((o_r // BLOCK_N) * N + o_r % BLOCK_N).to(tl.int64)[:, None] * K + o_k[None, :]
-        b_acc4 = tl.zeros([BLOCK_M, 4 * BLOCK_N], dtype=tl.float32)
+        b_accp = tl.zeros([BLOCK_M, PARTS_TILE * BLOCK_N], dtype=tl.float32)
     else:
         p_b = b_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -115,16 +126,16 @@ def _mhc_prenorm_gemm_kernel(
         else:
             b_sq += tl.sum(b_af * b_af, axis=1)
         if B_PARTS:
-            # [4 * BLOCK_N, BLOCK_K]
+            # [PARTS_TILE * BLOCK_N, BLOCK_K]
             if EVEN_K:
                 b_b = tl.load(p_b + k, mask=m_r[:, None], other=0.0)
             else:
                 b_b = tl.load(p_b + k, mask=m_r[:, None] & m_k[None, :], other=0.0)
-            # [BLOCK_M, 4 * BLOCK_N]
+            # [BLOCK_M, PARTS_TILE * BLOCK_N]
             if BF16_DOT_AS_FP32:
-                b_acc4 = tl.dot(b_af, tl.trans(b_b.to(tl.float32)), b_acc4, input_precision="ieee")
+                b_accp = tl.dot(b_af, tl.trans(b_b.to(tl.float32)), b_accp, input_precision="ieee")
             else:
-                b_acc4 = tl.dot(b_a, tl.trans(b_b), b_acc4)
+                b_accp = tl.dot(b_a, tl.trans(b_b), b_accp)
         else:
             if EVEN_K:
                 b_b = tl.load(p_b + k, mask=m_n[:, None], other=0.0)
@@ -133,6 +144,16 @@ def _mhc_prenorm_gemm_kernel(
             if PRECISION == "tf32":
                 # bf16 values are exact in TF32; only b is rounded.
                 b_acc = tl.dot(b_af, tl.trans(b_b), b_acc, input_precision="tf32")
+            elif PRECISION == "bf16x2":
+                # b = b_hi + b_lo, two bf16 parts (16 significant bits): products exact, sums in fp32.
+                b_hi = b_b.to(tl.bfloat16)
+                b_lo = (b_b - b_hi.to(tl.float32)).to(tl.bfloat16)
+                if BF16_DOT_AS_FP32:
+                    b_acc = tl.dot(b_af, tl.trans(b_lo.to(tl.float32)), b_acc, input_precision="ieee")
+                    b_acc = tl.dot(b_af, tl.trans(b_hi.to(tl.float32)), b_acc, input_precision="ieee")
+                else:
+                    b_acc = tl.dot(b_a, tl.trans(b_lo), b_acc)
+                    b_acc = tl.dot(b_a, tl.trans(b_hi), b_acc)
             else:
                 # b = b_hi + b_mid + b_lo, three bf16 parts: products are exact, sums in fp32.
                 b_hi = b_b.to(tl.bfloat16)
@@ -148,8 +169,8 @@ def _mhc_prenorm_gemm_kernel(
                     b_acc = tl.dot(b_a, tl.trans(b_mid), b_acc)
                     b_acc = tl.dot(b_a, tl.trans(b_hi), b_acc)
     if B_PARTS:
-        # [BLOCK_M, 4, BLOCK_N] -> hi + mid + lo (+ the zero part)
-        b_acc = tl.sum(tl.reshape(b_acc4, [BLOCK_M, 4, BLOCK_N]), axis=1)
+        # [BLOCK_M, PARTS_TILE, BLOCK_N] -> sum of the parts (and the zero part)
+        b_acc = tl.sum(tl.reshape(b_accp, [BLOCK_M, PARTS_TILE, BLOCK_N]), axis=1)
     if SQ_2D:
         b_sq = tl.sum(b_sq2, axis=1)
 
@@ -164,10 +185,16 @@ def _mhc_prenorm_split_b_kernel(
     b_ptr,
     bp_ptr,
     NK,
+    NUM_PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    # b: [N, K] fp32 -> bp: [3, N, K] bf16 with b = hi + mid + lo (each part the bf16 rounding of what
-    # the previous parts leave: 24 significant bits in all, so the split is exact for normal values).
+    # b: [N, K] fp32 -> bp: [NUM_PARTS, N, K] bf16 with b = hi + mid + lo (NUM_PARTS = 3: each part the
+    # bf16 rounding of what the previous parts leave, 24 significant bits in all, so the split is exact
+    # for normal values) or b ~ hi + lo (NUM_PARTS = 2: 16 significant bits). USE_PDL: the GEMM kernel
+    # that follows (launched with programmatic dependent launch) may start now; it waits for this one.
+    if USE_PDL:
+        gdc_launch_dependents()
     i_b = tl.program_id(0)
     o = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < NK
@@ -175,10 +202,11 @@ def _mhc_prenorm_split_b_kernel(
     b_hi = b_b.to(tl.bfloat16)
     b_r = b_b - b_hi.to(tl.float32)
     b_mid = b_r.to(tl.bfloat16)
-    b_lo = (b_r - b_mid.to(tl.float32)).to(tl.bfloat16)
     tl.store(bp_ptr + o, b_hi, mask=m)
     tl.store(bp_ptr + NK + o, b_mid, mask=m)
-    tl.store(bp_ptr + 2 * NK + o, b_lo, mask=m)
+    if NUM_PARTS == 3:
+        b_lo = (b_r - b_mid.to(tl.float32)).to(tl.bfloat16)
+        tl.store(bp_ptr + 2 * NK + o, b_lo, mask=m)
 
 
 @triton.jit
@@ -191,10 +219,14 @@ def _mhc_prenorm_reduce_kernel(
     NUM_CHUNKS,
     BLOCK: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # ws: [S * NUM_CHUNKS, L] fp32 with L = M * N + M (partial d, then partial sqr_sum);
     # d: [S, M, N]; sq: [S, M]. Split i_s adds slots i_s * NUM_CHUNKS + j; BLOCK_J slots are loaded at
-    # once and summed as a fixed tree, so the result does not depend on timing.
+    # once and summed as a fixed tree, so the result does not depend on timing. USE_PDL: started
+    # while the GEMM kernel runs, it waits for it to complete before reading.
+    if USE_PDL:
+        gdc_wait()
     i_b, i_s = tl.program_id(0), tl.program_id(1)
     MN = M * N
     L = MN + M
@@ -270,12 +302,24 @@ def _plan(m: int, n: int, k: int, num_splits: int, device_index: int | None
     return block_n, config, split_plan(m, n, k, num_splits, config.block_m, config.block_k, sms, per_sm), b_parts
 
 
-def _split_b(b: torch.Tensor) -> torch.Tensor:
-    """``[3, N, K]`` bf16 parts of the fp32 ``b`` (``b = hi + mid + lo``)."""
+def _parts_tile(precision: str) -> int:
+    """Rows of the stacked-parts tile per ``BLOCK_N``: two parts, or three plus a zero part."""
+    return 2 if precision == "bf16x2" else 4
+
+
+def _num_parts(precision: str) -> int:
+    return 2 if precision == "bf16x2" else 3
+
+
+def _split_b(b: torch.Tensor, precision: str = "bf16x3", pdl: bool = False) -> torch.Tensor:
+    """``[P, N, K]`` bf16 parts of the fp32 ``b``: ``b = hi + mid + lo`` (``bf16x3``) or
+    ``b ~ hi + lo`` (``bf16x2``). ``pdl``: the next kernel (launched with programmatic dependent
+    launch) may start early."""
     N, K = b.shape
-    parts = torch.empty((3, N, K), dtype=torch.bfloat16, device=b.device)
+    parts = torch.empty((_num_parts(precision), N, K), dtype=torch.bfloat16, device=b.device)
     grid = (triton.cdiv(N * K, cfgs.SPLIT_B_BLOCK),)
-    _mhc_prenorm_split_b_kernel[grid](b, parts, N * K, BLOCK=cfgs.SPLIT_B_BLOCK, num_warps=cfgs.SPLIT_B_NUM_WARPS)
+    _mhc_prenorm_split_b_kernel[grid](b, parts, N * K, NUM_PARTS=_num_parts(precision),
+                                      BLOCK=cfgs.SPLIT_B_BLOCK, USE_PDL=pdl, num_warps=cfgs.SPLIT_B_NUM_WARPS)
     return parts
 
 
@@ -290,31 +334,38 @@ def _launch(
     plan: tuple[int, int, int],
     precision: str,
     b_parts: bool = False,
+    pdl: bool = False,
 ) -> None:
-    """Launch the kernels for ``d [S, M, N]`` and ``sqr_sum [S, M]`` (``S = num_splits``). With
-    ``b_parts`` (``bf16x3`` only) ``b`` is split into its stacked bf16 parts by a first kernel."""
+    """Launch the kernels for ``d [S, M, N]`` and ``sqr_sum [S, M]`` (``S = num_splits``).
+
+    With ``b_parts`` (``bf16x3`` or ``bf16x2``) ``b`` is split into its stacked bf16 parts by a first
+    kernel; K chunks (``plan``) are added by a last kernel. With ``pdl`` (stacked parts, sm_90+) the
+    GEMM and reduction kernels are launched with programmatic dependent launch: each starts while
+    the kernel before it runs and waits for it in-kernel, which hides the launch gaps between them.
+    """
     M, K = a.shape
     N = b.shape[0]
     split_k, chunk_k, num_chunks = plan
     slots = num_splits * num_chunks
+    b_parts = b_parts and precision in ("bf16x3", "bf16x2")
+    pdl = pdl and b_parts and not envs.triton_interpret()
     if num_chunks == 1:
         out_d, out_sq, stride_dt, stride_st = d, sqr_sum, M * N, M
     else:
         ws = torch.empty((slots, M * N + M), dtype=torch.float32, device=a.device)
         out_d, out_sq, stride_dt, stride_st = ws, ws[:, M * N:], M * N + M, M * N + M
-    b_parts = b_parts and precision == "bf16x3"
-    b_in = _split_b(b) if b_parts else b
+    b_in = _split_b(b, precision, pdl) if b_parts else b
     grid = (triton.cdiv(M, config.block_m), slots)
     _mhc_prenorm_gemm_kernel[grid](
         a, b_in, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, PRECISION=precision, B_PARTS=b_parts,
-        SQ_2D=b_parts, num_warps=config.num_warps, num_stages=config.num_stages,
+        SQ_2D=b_parts, USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     if num_chunks > 1:
         block_j, block = cfgs.reduce_blocks(num_chunks)
         grid = (triton.cdiv(M * N + M, block), num_splits)
         _mhc_prenorm_reduce_kernel[grid](ws, d, sqr_sum, M, N, num_chunks, BLOCK=block, BLOCK_J=block_j,
-                                        num_warps=cfgs.REDUCE_NUM_WARPS)
+                                        USE_PDL=pdl, num_warps=cfgs.REDUCE_NUM_WARPS, launch_pdl=pdl)
 
 
 def tf32_hc_prenorm_gemm_triton(
@@ -355,9 +406,11 @@ def tf32_hc_prenorm_gemm_triton(
 
     ``sqr_sum`` is an fp32 sum on CUDA cores in every mode (error ``3e-7`` of its RMS).
 
-    With the stacked parts (the H200 route for N in 17..32) the three products are accumulated
-    separately and added after the loop; the H200 error on the shape above was ``1.8e-5`` against
-    ``2.4e-5`` for the in-loop split in the same run (the reference's own rounding dominates both).
+    With the stacked parts (the H200 route for N in 17..32) ``PARTS_PRECISION = "bf16x2"`` keeps 16
+    significant bits of ``b`` (``|b - hi - lo| <= 2^-16 |b|``; TF32 keeps 11): H200 error against the
+    fp32 reference 1.3e-5 / 2.0e-5 / 4.2e-5 / 8.6e-5 / 1.7e-4 of the output RMS at M = 1024 / 2048 /
+    4096 / 8192 / 16384 (N = 24, K = 28672), against 8.8e-6 / 1.8e-5 / 4.1e-5 / 8.5e-5 / 1.7e-4 for
+    three parts in the same run: the reference's own fp32 rounding dominates both.
 
     Deterministic: K is split across programs without atomics; partial sums are added in a fixed
     order by a second kernel.
@@ -371,19 +424,25 @@ def tf32_hc_prenorm_gemm_triton(
     if a.device.type == "cuda":
         index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     block_n, config, plan, b_parts = _plan(M, N, K, splits, index)
-    _launch(a, b, d, sqr_sum, splits, block_n, config, plan, cfgs.DEFAULT_PRECISION, b_parts)
+    precision = cfgs.PARTS_PRECISION if b_parts else cfgs.DEFAULT_PRECISION
+    pdl = b_parts and index is not None and device_arch(a.device) in cfgs.PDL_ARCHS
+    _launch(a, b, d, sqr_sum, splits, block_n, config, plan, precision, b_parts, pdl)
 
 
 _GEMM_SIGNATURE: dict[str, str] = {
     "a_ptr": "*bf16", "b_ptr": "*fp32", "d_ptr": "*fp32", "sq_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
     "SPLIT_K": "i32", "CHUNK_K": "i32", "NUM_CHUNKS": "i32", "stride_dt": "i32", "stride_st": "i32",
     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
-    "B_PARTS": "constexpr", "SQ_2D": "constexpr", "EVEN_K": "constexpr", "BF16_DOT_AS_FP32": "constexpr",
+    "B_PARTS": "constexpr", "SQ_2D": "constexpr", "USE_PDL": "constexpr",
+    "EVEN_K": "constexpr", "PARTS_TILE": "constexpr", "BF16_DOT_AS_FP32": "constexpr",
 }
-_SPLIT_B_SIGNATURE: dict[str, str] = {"b_ptr": "*fp32", "bp_ptr": "*bf16", "NK": "i32", "BLOCK": "constexpr"}
+_SPLIT_B_SIGNATURE: dict[str, str] = {
+    "b_ptr": "*fp32", "bp_ptr": "*bf16", "NK": "i32", "NUM_PARTS": "constexpr", "BLOCK": "constexpr",
+    "USE_PDL": "constexpr",
+}
 _REDUCE_SIGNATURE: dict[str, str] = {
     "ws_ptr": "*fp32", "d_ptr": "*fp32", "sq_ptr": "*fp32", "M": "i32", "N": "i32", "NUM_CHUNKS": "i32",
-    "BLOCK": "constexpr", "BLOCK_J": "constexpr",
+    "BLOCK": "constexpr", "BLOCK_J": "constexpr", "USE_PDL": "constexpr",
 }
 
 
@@ -402,36 +461,45 @@ def _compile(kernel: Any, signature: dict[str, str], divisible: tuple[str, ...],
     return compile_for_arch(kernel, signature, constexprs, arch, num_warps, num_stages, aligned=divisible)
 
 
-def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: bool
+def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: bool, pdl: bool = False
                   ) -> tuple[dict[str, str], dict[str, Any]]:
     """Signature and constexprs of the GEMM kernel as :func:`_launch` runs it."""
-    b_parts = b_parts and precision == "bf16x3"
+    b_parts = b_parts and precision in ("bf16x3", "bf16x2")
     signature = dict(_GEMM_SIGNATURE, b_ptr="*bf16" if b_parts else "*fp32")
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": block_n, "BLOCK_K": cfg.block_k, "PRECISION": precision,
-                  "B_PARTS": b_parts, "SQ_2D": b_parts, "EVEN_K": cfg.block_k == 64, "BF16_DOT_AS_FP32": False}
+                  "B_PARTS": b_parts, "SQ_2D": b_parts, "USE_PDL": pdl and b_parts,
+                  "EVEN_K": cfg.block_k == 64, "PARTS_TILE": _parts_tile(precision),
+                  "BF16_DOT_AS_FP32": False}
     return signature, constexprs
 
 
 def compile_shipped(arch: int) -> list[Any]:
     """Compile the kernels with every configuration shipped for ``sm_<arch>`` (ahead of time).
 
-    The shipped precision is compiled with every configuration; the other precisions with the
-    widest N tile (the most shared memory). Returns one
+    The in-loop path's default precision is compiled with every configuration, the other precisions
+    with the widest N tile (the most shared memory); the stacked-parts path with its precision and
+    launch (``PARTS_PRECISION``, ``PDL_ARCHS``). Returns one
     :class:`nsa_backend.kernels.aot.CompiledKernel` per compilation; needs ``TRITON_INTERPRET``
     unset.
     """
     out = []
-    for precision in cfgs.PRECISIONS:
-        for block_n, cfg, b_parts in cfgs.shipped_configs(arch):
-            if precision != cfgs.DEFAULT_PRECISION and (block_n != cfgs.BLOCK_N_BUCKETS[-1] or b_parts):
-                continue
-            signature, constexprs = _gemm_variant(block_n, cfg, precision, b_parts)
+    shipped = cfgs.shipped_configs(arch)
+    pdl = arch in cfgs.PDL_ARCHS
+    for block_n, cfg, b_parts in shipped:
+        precisions = [cfgs.PARTS_PRECISION] if b_parts else [
+            p for p in cfgs.PRECISIONS if p == cfgs.DEFAULT_PRECISION or block_n == cfgs.BLOCK_N_BUCKETS[-1]]
+        for precision in precisions:
+            signature, constexprs = _gemm_variant(block_n, cfg, precision, b_parts, pdl)
             out.append(_compile(_mhc_prenorm_gemm_kernel.fn, signature, _GEMM_DIVISIBLE, constexprs, arch,
                                 cfg.num_warps, cfg.num_stages))
-    if any(b_parts for _, _, b_parts in cfgs.shipped_configs(arch)):
+    parts = any(b_parts for _, _, b_parts in shipped)
+    if parts:
         out.append(_compile(_mhc_prenorm_split_b_kernel, _SPLIT_B_SIGNATURE, _SPLIT_B_DIVISIBLE,
-                            {"BLOCK": cfgs.SPLIT_B_BLOCK}, arch, cfgs.SPLIT_B_NUM_WARPS, 3))
-    for block_j, block in cfgs.shipped_reduce_blocks():
-        out.append(_compile(_mhc_prenorm_reduce_kernel, _REDUCE_SIGNATURE, _REDUCE_DIVISIBLE,
-                            {"BLOCK": block, "BLOCK_J": block_j}, arch, cfgs.REDUCE_NUM_WARPS, 3))
+                            {"NUM_PARTS": _num_parts(cfgs.PARTS_PRECISION), "BLOCK": cfgs.SPLIT_B_BLOCK,
+                             "USE_PDL": pdl}, arch, cfgs.SPLIT_B_NUM_WARPS, 3))
+    for use_pdl in sorted({False, parts and pdl}):
+        for block_j, block in cfgs.shipped_reduce_blocks():
+            out.append(_compile(_mhc_prenorm_reduce_kernel, _REDUCE_SIGNATURE, _REDUCE_DIVISIBLE,
+                                {"BLOCK": block, "BLOCK_J": block_j, "USE_PDL": use_pdl}, arch,
+                                cfgs.REDUCE_NUM_WARPS, 3))
     return out

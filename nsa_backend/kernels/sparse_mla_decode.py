@@ -16,6 +16,11 @@ writes the final outputs itself.
 FP8 tokens are dequantised in registers (no dequantised copy of the cache). The number of splits
 and the workspace size are functions of the shapes and the GPU's multiprocessor count only, and
 nothing reads device values on the host, so the call can be captured in a CUDA graph.
+
+On sm_90 the "fp8_ds_mla" cache may instead take the Gluon kernel of
+``nsa_backend.kernels.sparse_mla_decode_gluon`` (asynchronous copies of the gathered rows, warpgroup
+MMAs; same merge kernel) for the head counts where it is faster (``GLUON_DECODE_HEADS``), unless a
+launch override is given or ``NSA_BACKEND_GLUON=0``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from nsa_backend.configs.sparse_mla import (
     decode_num_splits,
 )
 from nsa_backend.kernels._arch import device_arch, device_sms
+from nsa_backend.kernels._gluon import gluon_enabled
 from nsa_backend.kernels.sparse_mla_prefill import (
     LOG2E,
     _sparse_mla_bf16,
@@ -43,6 +49,10 @@ from nsa_backend.reference import DS_MLA_TOKEN_BYTES
 
 # Multiprocessor count used to plan splits off CUDA (the interpreter).
 FALLBACK_NUM_SMS = 8
+# Head counts whose fp8 decode takes the Gluon kernel on sm_90 (H200, topk 2048, h_q 16: 128 vs 177 us
+# at B 128, 45 vs 58 us at B 32). More heads stay on the tl kernel: a first Gluon version with 32-head
+# programs was slower there (B 128: 370 vs 222 us for 64 heads, 734 vs 432 us for 128).
+GLUON_DECODE_HEADS: frozenset[int] = frozenset(range(1, 17))
 
 
 @triton.heuristics({"HAS_SINK": lambda args: args["sink_ptr"] is not None})
@@ -105,6 +115,16 @@ def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: t
     return cfg, splits, per
 
 
+def _gluon_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int) -> bool:
+    """Whether the Gluon kernel takes this call (sm_90, fp8 cache, a head count it is faster for)."""
+    if kv_format != "fp8_ds_mla" or q.shape[2] not in GLUON_DECODE_HEADS:
+        return False
+    arch = device_arch(q.device)
+    from nsa_backend.kernels.sparse_mla_decode_gluon import GLUON_DECODE_ARCHS, gluon_decode_supported
+
+    return gluon_enabled(arch, GLUON_DECODE_ARCHS) and gluon_decode_supported(q, kv_cache, kv_format, d_v, arch)
+
+
 def sparse_mla_decode_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -151,6 +171,10 @@ def sparse_mla_decode_triton(
         ``out [B, s_q, h_q, d_v] bfloat16`` and ``lse [B, h_q, s_q] float32`` (natural log).
     """
     B, s_q, h_q, d_qk = q.shape
+    if config is None and num_splits is None and native_fp8 is None and _gluon_route(q, kv_cache, kv_format, d_v):
+        from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+
+        return sparse_mla_decode_gluon(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length)
     topk = indices.shape[-1]
     dev = q.device
     out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=dev)

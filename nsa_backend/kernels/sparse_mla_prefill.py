@@ -300,7 +300,10 @@ def flash_mla_sparse_fwd_triton(
     topk_length : torch.Tensor, optional
         ``[s_q]`` ``int32``: row ``i`` uses its first ``topk_length[i]`` indices.
     config : AttnConfig, optional
-        Launch configuration overriding ``nsa_backend.configs.sparse_mla.prefill_config``.
+        Launch configuration of the ``tl`` kernel, overriding
+        ``nsa_backend.configs.sparse_mla.prefill_config``. Without one, calls that
+        ``nsa_backend.kernels.sparse_mla_prefill_gluon.supported`` accepts (sm_90, bf16, ``d_qk`` 576,
+        ``h_q >= 17``) run the Gluon kernel instead.
 
     Returns
     -------
@@ -308,6 +311,13 @@ def flash_mla_sparse_fwd_triton(
         ``out [s_q, h_q, d_v] bfloat16``, ``max_logits [s_q, h_q] float32`` (scaled logits),
         ``lse [s_q, h_q] float32`` (natural log; ``+inf`` and ``out = 0`` for rows without a key).
     """
+    arch = device_arch(q.device)
+    if config is None and arch is not None:
+        from nsa_backend.kernels import sparse_mla_prefill_gluon as gluon_prefill
+
+        if gluon_prefill.supported(q, kv, d_v, arch):
+            return gluon_prefill.flash_mla_sparse_fwd_gluon(q, kv, indices, sm_scale, d_v, attn_sink,
+                                                            topk_length)
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
     topk = indices.shape[-1]
@@ -316,7 +326,6 @@ def flash_mla_sparse_fwd_triton(
     max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     if s_q == 0:
         return out, max_logits, lse
-    arch = device_arch(q.device)
     block_h = block_h_for(h_q)
     cfg = config or prefill_config(block_h, arch)
     kv2 = kv.view(s_kv, d_qk)

@@ -12,7 +12,7 @@ and the first of those equal to it (the order inside a row, and which of several
 taken, may vary between runs).
 
 Register-resident path (one launch; ``nsa_backend.configs.topk.use_resident_path`` picks it for
-many rows of at most ``RESIDENT_MAX_N`` columns, i.e. prefill): ``_topk_resident_kernel`` runs a
+many rows of at most ``RESIDENT_MAX_N`` columns, i.e. short prefill rows): ``_topk_resident_kernel`` runs a
 persistent grid whose programs take whole rows. A row of at most ``CAP`` columns is loaded into
 registers once (64 keys per thread at most). The ``topk``-th largest key is found bit by bit from
 the top: one reduction (count of keys >= a trial value) per bit, stopping as soon as exactly
@@ -22,8 +22,26 @@ from the register-resident row took about twice the registers. With an explicit 
 capacity, longer rows are resolved chunk by chunk: the top ``topk`` of each chunk (keys and
 columns) go to the program's scratch slab, then the top ``topk`` of those (at most ``FIN``).
 
+Sieve path (``nsa_backend.configs.topk.use_sieve_path`` picks it for rows longer than
+``SIEVE_MIN_N`` columns: longer prefill rows, many decode rows, and few very long rows):
+``_topk_sieve_kernel`` runs a persistent grid of small programs (two or four warps) whose
+programs take whole rows. A row longer than ``DIRECT`` gets a lower bound of its ``topk``-th key
+from ``SAMPLE`` keys (aligned runs of 8 columns, vector loads): the sampled key whose rank lies
+``SIGMAS`` standard deviations above the expected rank, cut to its top 16 bits, found two bits per
+reduction. One pass over the row (full tiles read with vector loads, the next tile's load in
+flight) appends the keys at or above the bound (all keys of shorter rows) and their columns to
+the program's list (at most ``CAP``), compacted by one scan per tile. The ``topk``-th key of the
+list is then found two bits per pass over the list (the three counts packed in one lane counter,
+one reduction per pass), below the common prefix of the bound and the largest listed key,
+stopping once exactly ``topk`` keys lie at or above the prefix; one more pass counts the keys
+above it and one writes the selection. When the bound misses (fewer than ``topk`` or more than
+``CAP`` keys listed, e.g. massive ties) the row is resolved by the streaming radix select below.
+With fewer rows than SMs, ``_topk_sieve_part_kernel`` splits each row over parts that append to
+the row's list through an atomic counter (every part computes the same bound), and
+``_topk_sieve_merge_kernel`` resolves each row's list.
+
 Whole-row path (one launch; ``nsa_backend.configs.topk.use_row_path`` picks it for the other rows
-with ``topk <= ROW_MAX_TOPK``: decode rows and long rows): ``_topk_row_kernel`` runs a persistent
+with ``topk <= ROW_MAX_TOPK``: few or short decode rows): ``_topk_row_kernel`` runs a persistent
 grid whose programs take whole rows.
 
 - Rows of at most ``CAP`` valid columns are loaded into registers once; the ``topk``-th largest
@@ -586,6 +604,276 @@ def _topk_resident_kernel(
             tl.debug_barrier()  # the slab is rewritten by the program's next row
 
 
+@triton.jit
+def _topk_add3(a1, a2, a3, b1, b2, b3):
+    return a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _topk_digit_step(t, n_t, sh, n1, n2, n3, k):
+    # the next 2-bit digit (bits sh + 1, sh) of the largest t' >= t with at least k keys >= t',
+    # from the counts n_d of keys >= t | d << sh (d = 1, 2, 3)
+    one = tl.full([], 1, tl.uint32) << sh.to(tl.uint32)
+    t_new = tl.where(n3 >= k, t | (one * 3), tl.where(n2 >= k, t | (one * 2), tl.where(n1 >= k, t | one, t)))
+    n_new = tl.where(n3 >= k, n3, tl.where(n2 >= k, n2, tl.where(n1 >= k, n1, n_t)))
+    return t_new, n_new
+
+
+@triton.jit
+def _topk_list_threshold(p_key, n_c, K, t_lo, k_max, BLOCK: tl.constexpr):
+    # keys p_key[0, n_c) (n_c >= K, every key in [t_lo, k_max]): t with exactly K keys >= t
+    # (stopping early) or, when keys tie, the K-th largest key, found two bits per pass over the
+    # list below the common prefix of t_lo and k_max (counts kept per lane, one reduction per
+    # pass); returns (t, keys > t)
+    o_b = tl.arange(0, BLOCK)
+    diff = t_lo ^ k_max
+    # bits below the common prefix: exponent of diff as a float, + 1 (rounding up only adds a bit),
+    # made even (a prefix bit searched again changes nothing)
+    nb = tl.where(diff == 0, 0, ((diff.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32))
+    nb = tl.minimum(nb + (nb & 1), 32)
+    low = ((tl.full([], 1, tl.uint32) << (tl.maximum(nb, 1) - 1).to(tl.uint32)) - 1) * 2 + 1
+    t = tl.where(nb == 0, t_lo, t_lo & ~low)
+    n_t = n_c  # keys >= t
+    sh = nb - 2  # lowest bit of the next digit
+    while (n_t != K) & (sh >= 0):
+        one = tl.full([], 1, tl.uint32) << sh.to(tl.uint32)
+        # per lane, the three counts in 10-bit fields (at most one per tile: CAP < 1024 tiles)
+        b_n = tl.zeros([BLOCK], dtype=tl.int32)
+        for j0 in range(0, n_c, BLOCK):
+            o_j = j0 + o_b
+            # lanes past the list read key 0, below every trial value
+            b_k = tl.load(p_key + o_j, mask=o_j < n_c, other=0).to(tl.uint32, bitcast=True)
+            b_n += (tl.where(b_k >= (t | one), 1, 0) + tl.where(b_k >= (t | (one * 2)), 1 << 10, 0)
+                    + tl.where(b_k >= (t | (one * 3)), 1 << 20, 0))
+        b_n64 = b_n.to(tl.int64)
+        n_all = tl.sum((b_n64 & 0x3FF) + ((b_n64 & 0xFFC00) << 11) + ((b_n64 >> 20) << 42), axis=0)
+        n1 = (n_all & 0x1FFFFF).to(tl.int32)
+        n2 = ((n_all >> 21) & 0x1FFFFF).to(tl.int32)
+        n3 = (n_all >> 42).to(tl.int32)
+        t, n_t = _topk_digit_step(t, n_t, sh, n1, n2, n3, K)
+        sh -= 2
+    b_gt = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, n_c, BLOCK):
+        o_j = j0 + o_b
+        b_k = tl.load(p_key + o_j, mask=o_j < n_c, other=0).to(tl.uint32, bitcast=True)
+        b_gt += ((o_j < n_c) & (b_k > t)).to(tl.int32)
+    return t, tl.sum(b_gt, axis=0)
+
+
+@triton.jit
+def _topk_sieve_tile(b_x, o_t, s_lo, s_hi, t_lo, n_c, b_mx, p_sk, p_si, p_cnt, CAP: tl.constexpr,
+                     MASKED: tl.constexpr, ATOMIC: tl.constexpr):
+    # keys >= t_lo of one tile (columns o_t; with MASKED only those in [s_lo, s_hi)) appended to
+    # the list at n_c, or with ATOMIC at a position reserved on the row's counter p_cnt (entries
+    # past CAP dropped); returns the keys seen so far and the running maximum
+    b_k = _topk_ordered_key(b_x)
+    m_k = b_k >= t_lo
+    if MASKED:
+        m_k = m_k & (o_t >= s_lo) & (o_t < s_hi)
+    b_mx = tl.maximum(b_mx, tl.where(m_k, b_k, 0))
+    n_k = tl.sum(m_k.to(tl.int32), axis=0)
+    base = n_c
+    if ATOMIC:
+        base = tl.atomic_add(p_cnt, n_k, sem="relaxed")
+    o_w = base + tl.cumsum(m_k.to(tl.int32), axis=0) - 1
+    m_w = m_k & (o_w < CAP)
+    tl.store(p_sk + o_w, b_k.to(tl.int32, bitcast=True), mask=m_w)
+    tl.store(p_si + o_w, o_t, mask=m_w)
+    return n_c + n_k, b_mx
+
+
+@triton.jit
+def _topk_sieve_span(p_x, s_lo, s_hi, t_lo, p_sk, p_si, p_cnt, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                     ATOMIC: tl.constexpr):
+    # one pass over columns [s_lo, s_hi) appending the keys >= t_lo to the list (compacted by a
+    # scan per tile); tiles aligned to BLOCK columns, the full ones read unmasked (vector loads)
+    # with the next tile's load in flight. Returns (keys appended, their maximum)
+    o_b = tl.arange(0, BLOCK)
+    n_c = 0
+    b_mx = tl.zeros([BLOCK], dtype=tl.uint32)
+    a0 = tl.multiple_of((s_lo // BLOCK) * BLOCK, BLOCK)
+    e0 = tl.multiple_of((s_hi // BLOCK) * BLOCK, BLOCK)  # tiles [a0 + BLOCK, e0) are full
+    o_t = a0 + o_b
+    b_x = tl.load(p_x + o_t, mask=(o_t >= s_lo) & (o_t < s_hi), other=0.0)
+    n_c, b_mx = _topk_sieve_tile(b_x, o_t, s_lo, s_hi, t_lo, n_c, b_mx, p_sk, p_si, p_cnt, CAP, True, ATOMIC)
+    if e0 > a0 + BLOCK:
+        b_nx = tl.load(p_x + a0 + BLOCK + o_b)
+        for t0 in range(a0 + BLOCK, e0, BLOCK):
+            b_x = b_nx
+            b_nx = tl.load(p_x + tl.minimum(t0 + BLOCK, e0 - BLOCK) + o_b)
+            n_c, b_mx = _topk_sieve_tile(b_x, t0 + o_b, s_lo, s_hi, t_lo, n_c, b_mx, p_sk, p_si, p_cnt, CAP,
+                                         False, ATOMIC)
+    if (e0 > a0) & (e0 < s_hi):
+        o_t = e0 + o_b
+        b_x = tl.load(p_x + o_t, mask=o_t < s_hi, other=0.0)
+        n_c, b_mx = _topk_sieve_tile(b_x, o_t, s_lo, s_hi, t_lo, n_c, b_mx, p_sk, p_si, p_cnt, CAP, True,
+                                     ATOMIC)
+    return n_c, tl.max(b_mx, axis=0)
+
+
+@triton.jit
+def _topk_sieve_finish(p_x, p_out, p_sk, p_si, lo, hi, n_c, t_lo, k_max, K, BLOCK: tl.constexpr,
+                       LIST_BLOCK: tl.constexpr, CAP: tl.constexpr):
+    # the selection from the list of n_c candidates (all in [t_lo, k_max]), or, when the bound
+    # missed (fewer than K or more than CAP candidates, e.g. massive ties), by a streaming radix
+    # select over the row
+    if (n_c >= K) & (n_c <= CAP):
+        t, n_gt = _topk_list_threshold(p_sk, n_c, K, t_lo, k_max, LIST_BLOCK)
+        _topk_resident_emit(p_sk, p_si, p_out, p_out, 0, n_c, t, n_gt, K, LIST_BLOCK, False, True)
+    else:
+        _topk_stream_select(p_x, p_out, lo, hi, K, BLOCK)
+
+
+@triton.jit
+def _topk_sample_bound(p_x, lo, hi, K, SAMPLE: tl.constexpr, SIGMAS: tl.constexpr):
+    # lower bound of the K-th largest key of columns [lo, hi) (hi - lo >= SAMPLE >= 16): the r_lo-th
+    # largest of SAMPLE keys in evenly spaced runs of 8 columns (run starts aligned to 8 columns and
+    # kept inside the window, for vector loads), r_lo SIGMAS standard deviations above the expected
+    # sampled rank of the K-th key, cut to its top 16 bits
+    n = hi - lo
+    o_j = tl.arange(0, SAMPLE // 8)
+    o_e = tl.arange(0, 8)
+    o_run = ((lo + (o_j.to(tl.int64) * n) // (SAMPLE // 8)) // 8) * 8
+    o_run = tl.minimum(tl.maximum(o_run, ((lo + 7) // 8) * 8), (hi // 8) * 8 - 8)
+    o_r = tl.multiple_of(o_run, 8)[:, None] + o_e[None, :]  # [SAMPLE // 8, 8]
+    b_s = _topk_ordered_key(tl.load(p_x + o_r))
+    r_exp = (K * SAMPLE) / n  # K * SAMPLE < 2**24
+    r_sd = tl.sqrt(SIGMAS * SIGMAS + 4.0 * r_exp)
+    r_lo = tl.minimum(tl.ceil((r_sd + SIGMAS) * (r_sd + SIGMAS) * 0.25).to(tl.int32), SAMPLE)
+    # the top 16 bits, two per step
+    t = tl.full([], 0, tl.uint32)
+    n_t = 0
+    for i in range(8):
+        sh = tl.full([], 30 - 2 * i, tl.int32)
+        one = tl.full([], 1, tl.uint32) << sh.to(tl.uint32)
+        b_n = tl.reduce(((b_s >= (t | one)).to(tl.int32), (b_s >= (t | (one * 2))).to(tl.int32),
+                         (b_s >= (t | (one * 3))).to(tl.int32)), 1, _topk_add3)
+        n1, n2, n3 = tl.reduce(b_n, 0, _topk_add3)
+        t, n_t = _topk_digit_step(t, n_t, sh, n1, n2, n3, r_lo)
+    return t
+
+
+@_row_window_flags
+@triton.jit(do_not_specialize=["R", "N", "K"])
+def _topk_sieve_kernel(
+    x_ptr,
+    out_ptr,
+    scratch_ptr,
+    starts_ptr,
+    ends_ptr,
+    R,
+    N,
+    K,
+    stride_x,
+    BLOCK: tl.constexpr,
+    LIST_BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    DIRECT: tl.constexpr,
+    SIGMAS: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    HAS_ENDS: tl.constexpr,
+):
+    # one program selects whole rows i_p, i_p + G, ...: a lower bound from a sample, one pass
+    # keeping the keys at or above it in the program's scratch list, then the threshold and the
+    # selection from that list; see the module docstring
+    i_p = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    p_sk = scratch_ptr + i_p.to(tl.int64) * (2 * CAP)  # keys of the row's candidates
+    p_si = p_sk + CAP  # their columns
+    for i_r in range(i_p, R, n_prog):
+        lo, hi, p_x, p_out = _topk_row_start(x_ptr, out_ptr, starts_ptr, ends_ptr, i_r, N, K, stride_x,
+                                             HAS_STARTS, HAS_ENDS)
+        n = hi - lo
+        if n <= K:
+            _topk_store_all(p_out, lo, n, K, BLOCK)
+        else:
+            t_lo = tl.full([], 0, tl.uint32)  # rows of at most DIRECT columns keep every key
+            if n > DIRECT:
+                t_lo = _topk_sample_bound(p_x, lo, hi, K, SAMPLE, SIGMAS)
+            n_c, k_max = _topk_sieve_span(p_x, lo, hi, t_lo, p_sk, p_si, p_sk, BLOCK, CAP, False)
+            tl.debug_barrier()  # the list written by every thread is read back by others
+            _topk_sieve_finish(p_x, p_out, p_sk, p_si, lo, hi, n_c, t_lo, k_max, K, BLOCK, LIST_BLOCK, CAP)
+        tl.debug_barrier()  # the list is rewritten by the program's next row
+
+
+@_row_window_flags
+@triton.jit(do_not_specialize=["N", "K"])
+def _topk_sieve_part_kernel(
+    x_ptr,
+    scratch_ptr,
+    state_ptr,
+    starts_ptr,
+    ends_ptr,
+    N,
+    K,
+    stride_x,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    DIRECT: tl.constexpr,
+    SIGMAS: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    HAS_ENDS: tl.constexpr,
+):
+    # program (i_r, i_s): part i_s of row i_r (whole tiles of BLOCK columns) appended to the row's
+    # list; every part computes the same bound. State per row: list length, maximum key >> 1, bound
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    lo, hi = _topk_row_window(starts_ptr, ends_ptr, i_r, N, HAS_STARTS, HAS_ENDS)
+    n = hi - lo
+    if n > K:
+        p_x = x_ptr + i_r.to(tl.int64) * stride_x
+        p_sk = scratch_ptr + i_r.to(tl.int64) * (2 * CAP)
+        p_st = state_ptr + i_r * 4
+        t_lo = tl.full([], 0, tl.uint32)  # rows of at most DIRECT columns keep every key
+        if n > DIRECT:
+            t_lo = _topk_sample_bound(p_x, lo, hi, K, SAMPLE, SIGMAS)
+        a0 = (lo // BLOCK) * BLOCK
+        per = tl.cdiv(tl.cdiv(hi - a0, BLOCK), n_split) * BLOCK
+        s_lo = tl.maximum(lo, a0 + i_s * per)
+        s_hi = tl.minimum(hi, a0 + (i_s + 1) * per)
+        if s_lo < s_hi:
+            _, k_max = _topk_sieve_span(p_x, s_lo, s_hi, t_lo, p_sk, p_sk + CAP, p_st, BLOCK, CAP, True)
+            tl.atomic_max(p_st + 1, (k_max >> 1).to(tl.int32), sem="relaxed")
+        if i_s == 0:
+            tl.store(p_st + 2, t_lo.to(tl.int32, bitcast=True))
+
+
+@_row_window_flags
+@triton.jit(do_not_specialize=["N", "K"])
+def _topk_sieve_merge_kernel(
+    x_ptr,
+    out_ptr,
+    scratch_ptr,
+    state_ptr,
+    starts_ptr,
+    ends_ptr,
+    N,
+    K,
+    stride_x,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    HAS_ENDS: tl.constexpr,
+):
+    # row i_r: the selection from the list its parts wrote
+    i_r = tl.program_id(0)
+    lo, hi, p_x, p_out = _topk_row_start(x_ptr, out_ptr, starts_ptr, ends_ptr, i_r, N, K, stride_x,
+                                         HAS_STARTS, HAS_ENDS)
+    n = hi - lo
+    if n <= K:
+        _topk_store_all(p_out, lo, n, K, BLOCK)
+    else:
+        p_sk = scratch_ptr + i_r.to(tl.int64) * (2 * CAP)
+        p_st = state_ptr + i_r * 4
+        n_c = tl.load(p_st)
+        k_max = (tl.load(p_st + 1).to(tl.uint32, bitcast=True) << 1) | 1
+        t_lo = tl.load(p_st + 2).to(tl.uint32, bitcast=True)
+        _topk_sieve_finish(p_x, p_out, p_sk, p_sk + CAP, lo, hi, n_c, t_lo, k_max, K, BLOCK, BLOCK, CAP)
+
+
 @triton.jit(do_not_specialize=["K", "B", "M", "page_size"])
 def _topk_logical_to_global_kernel(
     idx_ptr,
@@ -620,14 +908,16 @@ def topk_indices_triton(
     starts: torch.Tensor | None = None,
     ends: torch.Tensor | None = None,
     *,
-    config: cfgs.TopkConfig | cfgs.RowConfig | None = None,
+    config: cfgs.TopkConfig | cfgs.RowConfig | cfgs.ResidentConfig | cfgs.SieveConfig | None = None,
 ) -> torch.Tensor:
     """Triton ``topk_indices`` (see :func:`nsa_backend.topk_indices`), on validated inputs.
 
-    The register-resident path (one launch of ``_topk_resident_kernel``), the whole-row path (one
-    launch of ``_topk_row_kernel``) or the split path (four launches), as
-    :func:`nsa_backend.configs.topk.use_resident_path` and ``use_row_path`` decide. No host synchronisation; allocations
-    sized by shapes only.
+    The register-resident path (one launch of ``_topk_resident_kernel``), the sieve path (one
+    launch of ``_topk_sieve_kernel``, or ``_topk_sieve_part_kernel`` and ``_topk_sieve_merge_kernel``
+    with rows split over parts), the whole-row path (one launch of ``_topk_row_kernel``) or the
+    split path (four launches), as :func:`nsa_backend.configs.topk.use_resident_path`,
+    ``use_sieve_path`` and ``use_row_path`` decide. No host synchronisation; allocations sized by
+    shapes only.
 
     Parameters
     ----------
@@ -637,10 +927,10 @@ def topk_indices_triton(
         Indices per row.
     starts, ends : torch.Tensor, optional
         ``[R]`` ``int32``: row ``i`` selects among columns ``[starts[i], ends[i])`` (default ``0`` and ``N``).
-    config : ResidentConfig, RowConfig or TopkConfig, optional
+    config : ResidentConfig, SieveConfig, RowConfig or TopkConfig, optional
         Launch configuration overriding the automatic choice: a ``ResidentConfig`` runs the
-        register-resident path, a ``RowConfig`` the whole-row path (``topk <= ROW_MAX_TOPK``
-        only), a ``TopkConfig`` the split path.
+        register-resident path, a ``SieveConfig`` the sieve path, a ``RowConfig`` the whole-row
+        path (these three ``topk <= ROW_MAX_TOPK`` only), a ``TopkConfig`` the split path.
 
     Returns
     -------
@@ -654,11 +944,15 @@ def topk_indices_triton(
     if config is None:
         if cfgs.use_resident_path(N, R, topk):
             config = cfgs.resident_config(N, R)
+        elif cfgs.use_sieve_path(N, R, topk):
+            config = cfgs.sieve_config(N, R, device_sms(logits.device))
         elif cfgs.use_row_path(N, R, topk):
             config = cfgs.row_config(N, R)
         else:
             config = cfgs.topk_config(N, R)
-    if isinstance(config, cfgs.ResidentConfig):
+    if isinstance(config, cfgs.SieveConfig):
+        _topk_sieve(logits, topk, starts, ends, out, config)
+    elif isinstance(config, cfgs.ResidentConfig):
         _topk_resident(logits, topk, starts, ends, out, config)
     elif isinstance(config, cfgs.RowConfig):
         _topk_rows(logits, topk, starts, ends, out, config)
@@ -685,6 +979,32 @@ def _topk_rows(logits, topk, starts, ends, out, cfg):
         logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
         BLOCK=cfg.block, CAP=cap, SAMPLE=cfgs.row_sample(cap), SIGMAS=cfgs.ROW_SIGMAS, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
+    )
+
+
+def _topk_sieve(logits, topk, starts, ends, out, cfg):
+    R, N = logits.shape
+    cap, sample, direct = cfgs.sieve_sizes(topk, cfg)
+    if cfg.split > 1:
+        # rows split over parts: lists and per-row state (length, maximum key >> 1, bound)
+        scratch = torch.empty(R, 2, cap, dtype=torch.int32, device=logits.device)
+        state = torch.zeros(R, 4, dtype=torch.int32, device=logits.device)
+        _topk_sieve_part_kernel[(R, cfg.split)](
+            logits, scratch, state, starts, ends, N, topk, logits.stride(0),
+            BLOCK=cfg.block, CAP=cap, SAMPLE=sample, DIRECT=direct, SIGMAS=cfgs.ROW_SIGMAS,
+            num_warps=cfg.num_warps,
+        )
+        _topk_sieve_merge_kernel[(R,)](
+            logits, out, scratch, state, starts, ends, N, topk, logits.stride(0),
+            BLOCK=cfg.merge_block, CAP=cap, num_warps=cfg.merge_warps,
+        )
+        return
+    # slab: a row's candidate list
+    programs, scratch = _persistent_grid(logits, out, cfg.programs_per_sm, cap, True)
+    _topk_sieve_kernel[(programs,)](
+        logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
+        BLOCK=cfg.block, LIST_BLOCK=cfg.list_block or cfg.block, CAP=cap, SAMPLE=sample, DIRECT=direct,
+        SIGMAS=cfgs.ROW_SIGMAS, num_warps=cfg.num_warps, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
     )
 
 

@@ -3,7 +3,8 @@
 - CPU (``TRITON_INTERPRET=1``): small shapes covering every feature (head counts that are not a
   power of two, both head dims, both ``clean_logits`` values, compressed output, both
   ``context_lens`` forms, page sizes 32 and 64, padded page stride, empty sequences, unused or
-  out-of-range block-table entries).
+  out-of-range block-table entries), and the paged kernel's launch variants (row loop, page ids
+  ahead, unmasked key loads) whichever architecture the tables pick them for.
 - Ahead-of-time: every kernel and shipped configuration compiles for sm_80 .. sm_121 within the
   architecture's shared memory (one subprocess, ``TRITON_INTERPRET`` unset).
 - GPU (``@pytest.mark.gpu``): 300+ random cases per op.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -152,13 +154,46 @@ def test_fp8_paged_mqa_logits_chunks(chunk):
     _assert_logits(out, want, what=f"chunk {chunk}")
 
 
+# Launch variants of the paged kernel that a configuration can select (the shipped tables pick some
+# of them per architecture): each must give the same logits and masks as the reference.
+PAGED_VARIANTS = [
+    pytest.param({"row_loop": True}, id="row-loop"),
+    pytest.param({"page_ahead": True}, id="page-ahead"),
+    pytest.param({"k_mask": False}, id="unmasked-keys"),
+    pytest.param({"row_loop": True, "page_ahead": True, "k_mask": False}, id="row-loop-page-ahead-unmasked"),
+]
+
+
+@pytest.mark.parametrize("variant", PAGED_VARIANTS)
+@pytest.mark.parametrize("next_n,ctx_2d,pad", [(2, True, 3), (3, False, 16)],
+                         ids=["nn2-ctx2d-unaligned", "nn3-padded"])
+def test_fp8_paged_mqa_logits_variants(variant, next_n, ctx_2d, pad):
+    # ragged contexts (a partial page, an empty request), unused and out-of-range table entries,
+    # several chunks per request
+    q, cache, w, ctx, table, max_len = _paged_inputs(3, next_n, 5, 64, 64, [200, 0, 130], ctx_2d, DEVICE,
+                                                     pad_bytes=pad)
+    cfg = replace(ci.paged_config(5, next_n, 64, None), **variant)
+    want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len + 9)
+    for chunk in (None, 64, 128):
+        out = ki.fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, None, max_len + 9, config=cfg,
+                                             chunk=chunk)
+        _assert_logits(out, want, what=f"{variant} chunk {chunk}")
+
+
 def test_paged_chunk_waves():
-    # one full wave when the shapes allow it, else several waves, else the most programs
-    assert ci.paged_chunk(128, 4096, 132, 64, resident=6) == 1024  # 512 programs, 792 slots
-    assert ci.paged_chunk(128, 32768, 132, 64, resident=6) == 2048  # 2048 programs: 2.6 waves
+    # batches that fit one wave: each request cut into the chunks one wave holds (whole tiles, at
+    # least PAGED_MIN_CHUNK keys); larger batches: one full wave, else several waves
+    assert ci.paged_chunk(128, 4096, 132, 64, resident=6) == 704  # 6 chunks per request: 768 of 792 slots
+    assert ci.paged_chunk(128, 65536, 132, 64, resident=6) == 10944
+    assert ci.paged_chunk(128, 8192, 132, 64, resident=3) == 2752  # 3 chunks per request
     assert ci.paged_chunk(1, 65536, 132, 64, resident=6) == 512
-    for batch, length in [(1, 1), (7, 100), (128, 70000), (3, 5000)]:
-        assert ci.paged_chunk(batch, length, 132, 64) in ci.PAGED_CHUNKS
+    assert ci.paged_chunk(1, 65536, 132, 128, resident=6) == 512
+    assert ci.paged_chunk(1000, 4096, 132, 64, resident=6) == 2048  # 2000 programs: 2.5 waves
+    assert ci.paged_chunk(700, 4096, 132, 64, resident=6) == 4096  # 700 programs: one wave
+    for batch, length in [(1, 1), (7, 100), (128, 70000), (3, 5000), (2000, 9000)]:
+        for block_n in (64, 128):
+            chunk = ci.paged_chunk(batch, length, 132, block_n)
+            assert chunk % block_n == 0 and chunk >= ci.PAGED_MIN_CHUNK
 
 
 def test_fp8_paged_mqa_logits_without_pages():
@@ -245,9 +280,12 @@ _AOT_SCRIPT = textwrap.dedent("""
                        stride_page="i32", stride_out="i32", w_scale="fp32", NEXT_N="i32", CHUNK="i32",
                        NP="constexpr", D="constexpr", HP="constexpr", PAGE="constexpr", BLOCK_N="constexpr",
                        CTX_2D="constexpr", FP8_NATIVE="constexpr", SCALE_ALIGNED="constexpr",
-                       SC_AHEAD="constexpr")
+                       SC_AHEAD="constexpr", ROW_LOOP="constexpr", PG_AHEAD="constexpr",
+                       K_MASK="constexpr")
             cx = dict(NP=max(1, cfg.cols // hp), D=d, HP=hp, PAGE=64, BLOCK_N=cfg.block_n, CTX_2D=True,
-                      FP8_NATIVE=native, SCALE_ALIGNED=True, SC_AHEAD=cfg.scale_ahead)
+                      FP8_NATIVE=native, SCALE_ALIGNED=True, SC_AHEAD=cfg.scale_ahead, ROW_LOOP=cfg.row_loop,
+                      PG_AHEAD=cfg.scale_ahead and cfg.page_ahead and cfg.block_n == 64,
+                      K_MASK=cfg.k_mask)
             r = compile_aligned(ki._indexer_paged_logits_kernel, sig, cx, arch, cfg.num_warps,
                                 cfg.num_stages, ptr_args["paged"])
         else:

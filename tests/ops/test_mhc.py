@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(not has_triton(), reason="needs triton")
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
 # Error bounds, relative to the RMS of the reference output: TF32 rounds b to a 10-bit mantissa.
-TOL = {"tf32": 8e-3, "bf16x3": 2e-4}
+# bf16x2 keeps 16 significant bits of b (TF32: 11).
+TOL = {"tf32": 8e-3, "bf16x3": 2e-4, "bf16x2": 4e-4}
 
 
 def _inputs(m: int, n: int, k: int, splits: int | None, device: str = DEVICE):
@@ -55,6 +56,10 @@ def _check(a, b, d, sq, splits, precision, case):
     assert err_d < TOL[precision], f"d: {err_d=:.2e} {case}"
     assert err_sq < 1e-5, f"sqr_sum: {err_sq=:.2e} {case}"
     return err_d, err_sq
+
+
+def _sm90_or_newer() -> bool:
+    return HAS_GPU and torch.cuda.get_device_capability()[0] >= 9
 
 
 def _launch(a, b, d, sq, splits, config, plan, precision, **flags):
@@ -91,6 +96,8 @@ KERNEL_CASES = [
     pytest.param(17, 24, 320, 2, cfgs.GemmConfig(16, 128, 4, 2), (192, 128, 2), "bf16x3", id="bf16x3-S2-tail"),
     pytest.param(50, 64, 256, None, cfgs.GemmConfig(64, 64, 4, 2), (256, 256, 1), "bf16x3", id="bf16x3-N64"),
     pytest.param(3, 8, 4480, None, cfgs.GemmConfig(16, 64, 4, 2), (4480, 64, 70), "tf32", id="chunks70"),
+    pytest.param(17, 24, 320, 2, cfgs.GemmConfig(16, 128, 4, 2), (192, 128, 2), "bf16x2",
+                 id="bf16x2-S2-tail"),
 ]
 
 
@@ -111,11 +118,15 @@ PARTS_CASES = [
 ]
 
 
+@pytest.mark.parametrize("precision", ["bf16x3", "bf16x2"])
 @pytest.mark.parametrize("m,n,k,splits,config,plan", PARTS_CASES)
-def test_b_parts_path(m, n, k, splits, config, plan):
+def test_b_parts_path(m, n, k, splits, config, plan, precision):
+    """Both part counts; bf16x2 with programmatic dependent launch (on a GPU of sm_90+; in the
+    interpreter the flag is ignored)."""
     a, b, d, sq = _inputs(m, n, k, splits)
-    _launch(a, b, d, sq, splits, config, plan, "bf16x3", b_parts=True)
-    _check(a, b, d, sq, splits, "bf16x3", (m, n, k, splits, config, plan))
+    _launch(a, b, d, sq, splits, config, plan, precision, b_parts=True,
+            pdl=precision == "bf16x2" and _sm90_or_newer())
+    _check(a, b, d, sq, splits, precision, (m, n, k, splits, config, plan))
 
 
 def test_b_parts_route():
@@ -139,6 +150,18 @@ def test_split_b_is_exact():
     assert torch.equal(parts.double().sum(0), b.double())
 
 
+def test_split_b_two_parts():
+    """bf16x2: hi + lo keeps 16 significant bits of b (|error| <= 2^-16 |b| when rounded to nearest as on
+    the GPU, 2^-15 when truncated as in the CPU interpreter)."""
+    from nsa_backend.kernels import mhc as kern
+
+    b = torch.randn(8, 640, device=DEVICE) * torch.logspace(-20, 20, 640, device=DEVICE)
+    parts = kern._split_b(b, "bf16x2")
+    assert parts.shape == (2, 8, 640) and parts.dtype == torch.bfloat16
+    err = (parts.double().sum(0) - b.double()).abs()
+    assert (err <= b.double().abs() * 2.0 ** (-15 if DEVICE == "cpu" else -16)).all()
+
+
 def test_splits_match_reference_partition():
     """Split s holds exactly the K range split_bounds(K, S)[s] (compared split by split)."""
     m, n, k, splits = 9, 8, 640, 4
@@ -150,7 +173,8 @@ def test_splits_match_reference_partition():
         assert torch.allclose(sq[s], a[:, k0:k1].float().pow(2).sum(-1), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("precision,b_parts", [("tf32", False), ("bf16x3", False), ("bf16x3", True)])
+@pytest.mark.parametrize("precision,b_parts", [("tf32", False), ("bf16x3", False), ("bf16x3", True),
+                                              ("bf16x2", True)])
 def test_deterministic(precision, b_parts):
     a, b, d, sq = _inputs(29, 24, 384, None)
     plan = (384, 128, 3)
@@ -194,6 +218,36 @@ def one(arch):
 with ProcessPoolExecutor(2) as ex:
     print(json.dumps([r for rs in ex.map(one, json.loads(sys.argv[1])) for r in rs]))
 """
+
+
+_AOT_VARIANTS_SCRIPT = """
+import json
+from nsa_backend.configs import mhc as cfgs
+from nsa_backend.kernels import mhc
+rows = []
+for arch in (90, 100):
+    cfg = cfgs.PARTS_CONFIGS[0]
+    for precision in ("bf16x3", "bf16x2"):
+        sig, cx = mhc._gemm_variant(cfgs.PARTS_BLOCK_N, cfg, precision, True, pdl=True)
+        c = mhc._compile(mhc._mhc_prenorm_gemm_kernel.fn, sig, mhc._GEMM_DIVISIBLE, cx, arch, cfg.num_warps,
+                         cfg.num_stages)
+        rows.append((c.name, c.arch, c.shared_bytes))
+    for parts in (2, 3):
+        c = mhc._compile(mhc._mhc_prenorm_split_b_kernel, mhc._SPLIT_B_SIGNATURE, mhc._SPLIT_B_DIVISIBLE,
+                         {"NUM_PARTS": parts, "BLOCK": cfgs.SPLIT_B_BLOCK, "USE_PDL": True}, arch, 4, 3)
+        rows.append((c.name, c.arch, c.shared_bytes))
+    c = mhc._compile(mhc._mhc_prenorm_reduce_kernel, mhc._REDUCE_SIGNATURE, mhc._REDUCE_DIVISIBLE,
+                     {"BLOCK": 256, "BLOCK_J": 16, "USE_PDL": True}, arch, 4, 3)
+    rows.append((c.name, c.arch, c.shared_bytes))
+print(json.dumps(rows))
+"""
+
+
+def test_aot_compile_parts_variants():
+    """Both part counts with programmatic dependent launch compile for sm_90 / sm_100."""
+    rows = run_aot_script(_AOT_VARIANTS_SCRIPT, timeout=900)
+    assert len(rows) == 2 * (2 + 2 + 1)
+    assert all(r[2] <= SHARED_MEMORY_LIMIT[r[1]] for r in rows), rows
 
 
 def test_aot_compile_all_archs():
@@ -244,7 +298,9 @@ def test_gpu_precision_error(precision):
     b_parts = cfgs.uses_b_parts(block_n, m, arch, precision)
     per_sm = cfgs.PARTS_PROGRAMS_PER_SM if b_parts else cfgs.PROGRAMS_PER_SM
     plan = kern.split_plan(m, n, k, 1, cfg.block_m, cfg.block_k, sms, per_sm)
-    _launch(a, b, d, sq, None, cfg, plan, precision, b_parts=b_parts)
+    if b_parts:  # the precision the stacked-parts path runs
+        precision = cfgs.PARTS_PRECISION
+    _launch(a, b, d, sq, None, cfg, plan, precision, b_parts=b_parts, pdl=b_parts and arch in cfgs.PDL_ARCHS)
     err_d, _ = _check(a, b, d, sq, None, precision, precision)
     d64 = a.double() @ b.double().T
     diff = 1 - 2 * (d.double() * d64).sum() / (d.double().pow(2) + d64.pow(2)).sum()
@@ -262,10 +318,12 @@ def test_gpu_deterministic():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("m,n,k,splits", [(1024, 24, 28672, None), (999, 24, 7168, None), (4096, 32, 28672, 4),
                                           (16384, 24, 28672, None), (65, 24, 28672, 16), (3001, 24, 7168, 1)])
-def test_gpu_b_parts_path(m, n, k, splits):
-    """The stacked-parts path with its shipped tile and K plan, where it is routed (compared and repeated)."""
+def test_gpu_b_parts_path(m, n, k, splits, pdl):
+    """The stacked-parts path with its shipped tile, precision and K plan, launched plainly and
+    with programmatic dependent launch (sm_90+), eagerly and as a CUDA graph (compared and repeated)."""
     from nsa_backend.kernels import mhc as kern
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -276,8 +334,24 @@ def test_gpu_b_parts_path(m, n, k, splits):
     s = 1 if splits is None else splits
     cfg = cfgs.PARTS_CONFIGS[0]
     plan = kern.split_plan(m, n, k, s, cfg.block_m, cfg.block_k, sms, cfgs.PARTS_PROGRAMS_PER_SM)
-    _launch(a, b, d, sq, splits, cfg, plan, "bf16x3", b_parts=True)
-    _check(a, b, d, sq, splits, "bf16x3", (m, n, k, splits, plan))
-    d2, sq2 = torch.empty_like(d), torch.empty_like(sq)
-    _launch(a, b, d2, sq2, splits, cfg, plan, "bf16x3", b_parts=True)
+
+    def run(d_out, sq_out):
+        _launch(a, b, d_out, sq_out, splits, cfg, plan, cfgs.PARTS_PRECISION, b_parts=True, pdl=pdl)
+
+    run(d, sq)
+    _check(a, b, d, sq, splits, cfgs.PARTS_PRECISION, (m, n, k, splits, plan, pdl))
+    d2, sq2 = torch.full_like(d, float("nan")), torch.full_like(sq, float("nan"))
+    run(d2, sq2)
+    assert torch.equal(d, d2) and torch.equal(sq, sq2)
+    d2.fill_(float("nan"))
+    sq2.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    run(d2, sq2)  # warm-up: compiled before capture
+    with torch.cuda.graph(graph):
+        run(d2, sq2)
+    d2.fill_(float("nan"))
+    sq2.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
     assert torch.equal(d, d2) and torch.equal(sq, sq2)

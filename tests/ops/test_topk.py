@@ -7,9 +7,11 @@ selected values must equal the reference's. Every row must hold exactly
 
 Every launch path is covered: the register-resident kernel (rows held in registers, long rows
 chunk by chunk; 1- and 2-bit digits; selection written from registers or from tiles read again),
-the whole-row kernel (rows resolved in registers, rows resolved from a sampled bound, and the
-streaming radix select taken when the bound misses) and the four-launch split path (``topk``
-above ``ROW_MAX_TOPK`` or a ``TopkConfig``).
+the sieve kernel (rows listed by a sampled bound or whole, one program per row or rows split
+over parts, the radix select when the bound misses), the whole-row kernel (rows resolved in
+registers, rows resolved from a sampled bound, and the streaming radix select taken when the
+bound misses) and the four-launch split path (``topk`` above ``ROW_MAX_TOPK`` or a
+``TopkConfig``).
 """
 
 from __future__ import annotations
@@ -216,6 +218,50 @@ def test_topk_all_equal_rows():
     _check_topk(out, logits, topk, None, ends, False, what="all equal")
 
 
+SIEVE_CASES = [
+    # (tile, warps, programs per SM, sample, list length, parts per row, merging tile, merging warps)
+    pytest.param((64, 1, 1, 64, 256, 1, 1024, 4), id="one-program"),
+    pytest.param((32, 2, 2, 64, 256, 3, 64, 1), id="parts"),
+]
+
+
+@pytest.mark.parametrize("cfg", SIEVE_CASES)
+@pytest.mark.parametrize("kind,mode", [("distinct", "window"), ("few-ties", "ends"), ("special", "none")])
+def test_topk_sieve(cfg, kind, mode):
+    # sieve kernel: rows longer than DIRECT sieved by a sampled bound into a list, shorter rows
+    # listed whole, rows shorter than topk; one program per row or rows split over parts; special
+    # values among heavy ties (more keys at the bound than the list holds: radix select)
+    from nsa_backend.configs import topk as ct
+
+    config = ct.SieveConfig(*cfg[:5], split=cfg[5], merge_block=cfg[6], merge_warps=cfg[7])
+    R, N, topk = 4, 1000, 40
+    assert ct.sieve_sizes(topk, config) == (256, 64, 128)
+    if kind == "few-ties":  # each value about twice: ties at the threshold inside the list
+        logits = torch.randint(-300, 300, (R, N), device=DEVICE).float()
+    else:
+        logits = _case_logits(R, N, kind)
+    starts, ends = _case_window(R, N, mode)
+    if ends is not None:
+        ends[1], ends[2] = 30, 100  # shorter than topk; listed whole
+    out = kt.topk_indices_triton(logits, topk, starts, ends, config=config)
+    _check_topk(out, logits, topk, starts, ends, kind == "distinct", what=f"{kind}-{mode}")
+
+
+@pytest.mark.parametrize("cfg", SIEVE_CASES)
+def test_topk_sieve_bound_missed(monkeypatch, cfg):
+    # a bound with fewer than topk keys above it, and rows of one value (more keys tie at the bound
+    # than the list holds): the streaming radix select
+    from nsa_backend.configs import topk as ct
+
+    config = ct.SieveConfig(*cfg[:5], split=cfg[5], merge_block=cfg[6], merge_warps=cfg[7])
+    R, N, topk = 3, 900, 30
+    logits = _case_logits(R, N, "distinct")
+    logits[1] = 2.0
+    monkeypatch.setattr(ct, "ROW_SIGMAS", -20.0)
+    out = kt.topk_indices_triton(logits, topk, None, None, config=config)
+    _check_topk(out, logits, topk, None, None, False, what="missed")
+
+
 @pytest.mark.parametrize("distinct", [True, False])
 def test_topk_split_candidate_overflow(monkeypatch, distinct):
     # split path: a threshold bin larger than the candidate list makes the finish scan the row
@@ -233,17 +279,49 @@ def test_topk_split_candidate_overflow(monkeypatch, distinct):
 def test_topk_path_choice():
     from nsa_backend.configs import topk as ct
 
-    assert ct.use_row_path(65536, 128, 2048) and ct.use_row_path(65536, 4096, 2048)
-    assert ct.use_row_path(ct.RESIDENT_MAX_N, ct.RESIDENT_MIN_ROWS - 1, 2048)
+    # prefill: register-resident up to RESIDENT_MAX_N columns, sieve above
     assert ct.use_resident_path(ct.RESIDENT_MAX_N, ct.RESIDENT_MIN_ROWS, 2048)
-    assert not ct.use_row_path(ct.RESIDENT_MAX_N, ct.RESIDENT_MIN_ROWS, 2048)
     assert not ct.use_resident_path(ct.RESIDENT_MAX_N + 1, 4096, 2048)
+    assert ct.use_sieve_path(ct.RESIDENT_MAX_N + 1, ct.RESIDENT_MIN_ROWS, 2048)
+    assert ct.use_sieve_path(65536, 4096, 2048) and not ct.use_row_path(65536, 4096, 2048)
+    # decode: sieve for many rows, whole-row kernel for few or short rows, rows split over parts
+    # when fewer rows than SMs are very long
+    assert ct.use_sieve_path(8192, ct.SIEVE_MIN_ROWS, 2048)
+    assert ct.use_row_path(8192, 128, 2048) and ct.use_row_path(ct.SIEVE_MIN_N, 256, 2048)
+    assert ct.use_sieve_path(ct.SIEVE_SPLIT_MIN_N + 1, 1, 2048)
+    assert ct.sieve_config(65536, 4096, 132) == ct.SIEVE_PREFILL_CONFIG
+    assert ct.sieve_config(65536, 256, 132) == ct.SIEVE_DECODE_CONFIG
+    assert ct.sieve_config(65536, 128, 132).split == 4 and ct.sieve_config(65536, 100, 132).split == 5
+    assert ct.sieve_config(131072, 1, 132).split == ct.SIEVE_MAX_SPLIT
+    # topk above ROW_MAX_TOPK: split path
     assert not ct.use_resident_path(4096, 4096, ct.ROW_MAX_TOPK + 1)
+    assert not ct.use_sieve_path(65536, 4096, ct.ROW_MAX_TOPK + 1)
     assert not ct.use_row_path(4096, 1, ct.ROW_MAX_TOPK + 1)
     for max_n, cfg in ct.shipped_resident_configs():
         assert ct.resident_config(max_n, 4096) == cfg
         cap, fin = ct.resident_sizes(max_n, ct.ROW_MAX_TOPK, cfg)
         assert cap >= max_n and fin == 0 and cap // (32 * cfg.num_warps) <= 64  # keys per thread
+    for cfg in ct.shipped_sieve_configs():
+        assert ct.sieve_sizes(ct.ROW_MAX_TOPK, cfg) == (8192, 2048, 4096)
+
+
+def test_topk_sieve_routed(monkeypatch):
+    # the public op routes rows to the sieve kernel: one program per row, and rows split over parts
+    from nsa_backend.configs import topk as ct
+
+    small = ct.SieveConfig(64, 2, 1, 64, 256, list_block=128)
+    monkeypatch.setattr(ct, "SIEVE_DECODE_CONFIG", small)
+    monkeypatch.setattr(ct, "SIEVE_MIN_N", 200)
+    monkeypatch.setattr(ct, "SIEVE_MIN_ROWS", 4)
+    monkeypatch.setattr(ct, "SIEVE_SPLIT_MIN_N", 400)
+    monkeypatch.setattr(ct, "SIEVE_PART_MIN_N", 128)
+    for R, N in ((5, 300), (2, 700)):
+        assert ct.use_sieve_path(N, R, 24)
+        logits = _distinct_logits(R, N, DEVICE)
+        ends = torch.full((R,), N, dtype=torch.int32, device=DEVICE)
+        ends[0] = N - 11
+        out = nb.topk_indices(logits, 24, None, ends, impl="triton")
+        _check_topk(out, logits, 24, None, ends, True, what=f"R={R} N={N}")
 
 
 def test_topk_split_path_large_topk():
@@ -310,6 +388,32 @@ _AOT_SCRIPT = textwrap.dedent("""
             sh = compile_aligned(kt._topk_row_kernel, sig, const, arch, cfg.num_warps,
                                  ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
             rows.append(["row", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
+        for cfg in ct.shipped_sieve_configs():
+            cap, sample, direct = ct.sieve_sizes(ct.ROW_MAX_TOPK, cfg)
+            if cfg.split == 1:
+                sig = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
+                           R="i32", **common, BLOCK="constexpr", LIST_BLOCK="constexpr", CAP="constexpr",
+                           SAMPLE="constexpr", DIRECT="constexpr", SIGMAS="constexpr", HAS_STARTS="constexpr",
+                           HAS_ENDS="constexpr")
+                const = dict(BLOCK=cfg.block, LIST_BLOCK=cfg.list_block or cfg.block, CAP=cap, SAMPLE=sample,
+                             DIRECT=direct, SIGMAS=ct.ROW_SIGMAS, **flags)
+                sh = compile_aligned(kt._topk_sieve_kernel, sig, const, arch, cfg.num_warps,
+                                     ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
+                rows.append(["sieve", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
+                continue
+            sig = dict(x_ptr="*fp32", scratch_ptr="*i32", state_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
+                       **common, BLOCK="constexpr", CAP="constexpr", SAMPLE="constexpr", DIRECT="constexpr",
+                       SIGMAS="constexpr", HAS_STARTS="constexpr", HAS_ENDS="constexpr")
+            const = dict(BLOCK=cfg.block, CAP=cap, SAMPLE=sample, DIRECT=direct, SIGMAS=ct.ROW_SIGMAS, **flags)
+            sh = compile_aligned(kt._topk_sieve_part_kernel, sig, const, arch, cfg.num_warps,
+                                 ["x_ptr", "scratch_ptr", "stride_x"])
+            rows.append(["sieve-part", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
+            sig = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", state_ptr="*i32", starts_ptr="*i32",
+                       ends_ptr="*i32", **common, BLOCK="constexpr", CAP="constexpr", HAS_STARTS="constexpr",
+                       HAS_ENDS="constexpr")
+            sh = compile_aligned(kt._topk_sieve_merge_kernel, sig, dict(BLOCK=cfg.merge_block, CAP=cap, **flags),
+                                 arch, cfg.merge_warps, ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
+            rows.append(["sieve-merge", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
         for max_n, cfg in ct.shipped_resident_configs():
             cap, fin = ct.resident_sizes(max_n, ct.ROW_MAX_TOPK, cfg)
             sig = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
@@ -389,11 +493,12 @@ def _many_rows(R: int, N: int, kind: str, gen: torch.Generator):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("R,N,topk", [(1500, 9000, 2048), (1024, 32768, 2048), (1100, 40000, 2048),
-                                      (600, 70000, 2048), (300, 20000, 512), (1200, 5000, 512)])
+                                      (600, 70000, 2048), (300, 20000, 512), (1200, 5000, 512),
+                                      (100, 70000, 2048)])
 def test_topk_many_rows_gpu(R, N, topk):
     # many rows: the register-resident path (>= RESIDENT_MIN_ROWS rows of <= RESIDENT_MAX_N
-    # columns) and the whole-row path with several rows per persistent program; windows, ties,
-    # -inf and NaN
+    # columns), the sieve path (one program per row, several rows per persistent program, rows
+    # split over parts); windows, ties, -inf and NaN
     gen = torch.Generator(device="cuda").manual_seed(R + N)
     for kind in ("randn", "ties"):
         logits, starts, ends = _many_rows(R, N, kind, gen)

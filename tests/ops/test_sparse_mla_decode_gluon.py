@@ -1,0 +1,231 @@
+"""Gluon sparse MLA decode (sm_90, "fp8_ds_mla" cache) against ``nsa_backend.reference``.
+
+CPU: the kernel compiled ahead of time for sm_90 in a subprocess (skipped where the installed Triton
+has no Gluon), for every plan the launcher can pick, within the shared-memory limit; the split plan
+is a function of the shapes only; the ``tl`` route is kept where the Gluon kernel does not apply.
+GPU (sm_90): a seeded fuzz against the reference (16 / 32 / 64 / 128 heads and counts that are not
+multiples of the head block, s_q 1..4, invalid slots, both scale formats, attn_sink, topk_length,
+spaced pages, one and several splits), rows without a valid key, CUDA-graph capture, and the route
+of ``sparse_mla_decode_triton`` to the Gluon kernel.
+"""
+
+from __future__ import annotations
+
+import random
+import textwrap
+
+import pytest
+import torch
+
+from tests.ops._aot import run_aot_script
+from tests.ops.test_sparse_mla import (
+    _check_out,
+    _check_stat,
+    _fp32_reference_decode,
+    decode_case,
+)
+
+triton = pytest.importorskip("triton")
+
+
+def _gluon_available() -> bool:
+    from nsa_backend.kernels._gluon import gluon_importable
+
+    return gluon_importable()
+
+
+def _on_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_available()
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU
+# ------------------------------------------------------------------------------------------------
+
+_AOT = textwrap.dedent(
+    """
+    import json
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from nsa_backend.kernels import sparse_mla_decode_gluon as m
+    from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
+
+    fn = m._sparse_mla_decode_gluon_kernel
+    ptrs = ["q_ptr", "kv_ptr", "idx_ptr", "sink_ptr", "topk_len_ptr", "out_ptr", "lse_ptr"]
+    ints = ["h_q", "topk", "n_slots", "page_size", "keys_per_split", "rows_per_batch", "stride_q_row",
+            "stride_q_head", "stride_idx_row", "stride_page", "stride_row", "stride_ob", "stride_or",
+            "stride_os", "stride_oh", "stride_lb", "stride_lr", "stride_ls", "stride_lh"]
+    aligned = set(ptrs) | {"stride_q_row", "stride_q_head", "stride_idx_row", "stride_page", "stride_row"}
+    rows = []
+    plans = {m._plan_default(h) for h in (16, 32, 64, 128)}
+    for bh, bn, st in sorted(plans):
+        for split in (True, False):
+            sig = {"q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "sink_ptr": "*fp32",
+                   "topk_len_ptr": "*i32", "out_ptr": "*fp32" if split else "*bf16", "lse_ptr": "*fp32",
+                   "qk_scale": "fp32"}
+            sig.update({n: "i32" for n in ints})
+            ce = dict(BLOCK_H=bh, BLOCK_N=bn, STAGES=st, SPLIT=split, HAS_SINK=not split, HAS_TOPK_LEN=True,
+                      NUM_WARPS=m.GLUON_DECODE_NUM_WARPS)
+            sig.update({k: "constexpr" for k in ce})
+            names = list(sig)
+            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+            src = GluonASTSource(fn, signature=sig, constexprs=ce, attrs=attrs)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": m.GLUON_DECODE_NUM_WARPS})
+            rows.append(["gluon_decode", 90, [bh, bn, st, split], k.metadata.shared, SHARED_MEMORY_LIMIT[90]])
+    print(json.dumps(rows))
+    """
+)
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="this Triton has no Gluon")
+def test_gluon_decode_compiles_for_sm90_within_shared_memory():
+    rows = run_aot_script(_AOT, timeout=240)
+    assert rows
+    for kind, arch, cfg, shared, limit in rows:
+        assert shared <= limit, f"{kind} sm_{arch} {cfg}: {shared} B shared > {limit} B"
+
+
+def test_gluon_decode_plan_is_shape_only():
+    from nsa_backend.kernels.sparse_mla_decode_gluon import decode_gluon_plan
+
+    plan = decode_gluon_plan(32, 1, 16, 2048, 132)
+    assert plan == decode_gluon_plan(32, 1, 16, 2048, 132)
+    bh, bn, _, splits, per = plan
+    assert (bh, bn) == (16, 64) and splits * per >= 2048 and per % bn == 0
+    assert decode_gluon_plan(128, 1, 16, 2048, 132)[3] == 1
+    assert decode_gluon_plan(1, 1, 16, 64, 132, num_splits=1)[3:] == (1, 64)
+    assert decode_gluon_plan(2, 2, 128, 2048, 132)[0] == 32
+
+
+def test_gluon_decode_support_rules():
+    from nsa_backend.kernels.sparse_mla_decode_gluon import gluon_decode_supported
+
+    q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
+    assert gluon_decode_supported(q, cache, "fp8_ds_mla", 512, 90)
+    assert not gluon_decode_supported(q, cache, "fp8_ds_mla", 512, 120)
+    assert not gluon_decode_supported(q, cache, "fp8_ds_mla", 512, None)
+    assert not gluon_decode_supported(q, torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16), "bf16", 512, 90)
+    spaced = torch.zeros(4, 65 * 656 + 8, dtype=torch.uint8)[:, : 64 * 656].view(4, 64, 656)
+    assert not gluon_decode_supported(q, spaced, "fp8_ds_mla", 512, 90)
+
+
+def test_tl_route_off_cuda():
+    """Off CUDA (the interpreter) the decode op never takes the Gluon kernel."""
+    from nsa_backend.kernels.sparse_mla_decode import _gluon_route
+
+    q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+    assert not _gluon_route(q, torch.zeros(4, 64, 656, dtype=torch.uint8), "fp8_ds_mla", 512)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (sm_90)
+# ------------------------------------------------------------------------------------------------
+
+HEADS = (16, 16, 32, 64, 128, 20, 48)
+
+
+def _gluon_cases(n: int, seed: int) -> list[tuple[dict, dict]]:
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        flags = rnd.random() < 0.5
+        c = dict(
+            B=rnd.randint(1, 4),
+            s_q=rnd.randint(1, 4),
+            h_q=rnd.choice(HEADS),
+            topk=rnd.choice([1, 63, 64, 200, 512, 1024, 2048]),
+            kv_format="fp8_ds_mla",
+            scale_format=rnd.choice(["pow2", "arbitrary"]),
+            page=rnd.choice([64, 64, 32]),
+            num_blocks=rnd.randint(1, 40),
+            frac_invalid=rnd.choice([0.0, 0.1, 0.5, 0.95]),
+            sink=flags,
+            topk_len=flags or rnd.random() < 0.3,
+            pad_pages=rnd.random() < 0.3,  # pages of 656-byte rows stay 16-byte aligned
+            seed=1000 + i,
+        )
+        kw = rnd.choice([{}, {}, {"num_splits": 1}, {"num_splits": 3}, {"stages": 2}, {"block_h": 32}])
+        out.append((c, kw))
+    return out
+
+
+def _run_gluon(a: dict, case: str, **kw) -> float:
+    from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+
+    out, lse = sparse_mla_decode_gluon(**a, **kw)
+    r_out, r_lse, r_abs = _fp32_reference_decode(a)
+    err = _check_out("out", out.view(r_out.shape), r_out, case, r_abs)
+    _check_stat("lse", lse, r_lse, case)
+    return err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+def test_gluon_decode_gpu_fuzz():
+    errs = [_run_gluon(decode_case(**c), str(c) + str(kw), **kw) for c, kw in _gluon_cases(120, seed=7)]
+    print(f"gluon decode fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+def test_gluon_decode_empty_rows_gpu():
+    c = dict(B=2, s_q=2, h_q=16, topk=128, kv_format="fp8_ds_mla", scale_format="pow2", page=64,
+             num_blocks=4, frac_invalid=0.0, sink=True, topk_len=False, pad_pages=False, seed=3)
+    for kw in ({}, {"num_splits": 1}, {"num_splits": 2}):
+        a = decode_case(**c)
+        a["indices"][0] = -1
+        a["indices"][1, 1] = a["kv_cache"].shape[0] * a["kv_cache"].shape[1]  # == n_slots: invalid
+        _run_gluon(a, f"empty rows {kw}", **kw)
+        from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+
+        out, lse = sparse_mla_decode_gluon(**a, **kw)
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+def test_gluon_decode_cuda_graph():
+    from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+
+    c = dict(B=8, s_q=1, h_q=16, topk=512, kv_format="fp8_ds_mla", scale_format="arbitrary", page=64,
+             num_blocks=64, frac_invalid=0.1, sink=False, topk_len=True, pad_pages=False, seed=5)
+    a = decode_case(**c)
+    want = sparse_mla_decode_gluon(**a)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sparse_mla_decode_gluon(**a)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = sparse_mla_decode_gluon(**a)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+def test_decode_op_routes_few_heads_to_gluon(monkeypatch):
+    """``sparse_mla_decode_triton`` takes the Gluon kernel for the head counts listed, the tl kernel
+    with ``NSA_BACKEND_GLUON=0`` (both match the reference)."""
+    from nsa_backend.kernels.sparse_mla_decode import GLUON_DECODE_HEADS, sparse_mla_decode_triton
+    from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+
+    c = dict(B=3, s_q=2, h_q=16, topk=300, kv_format="fp8_ds_mla", scale_format="pow2", page=64,
+             num_blocks=16, frac_invalid=0.1, sink=True, topk_len=True, pad_pages=False, seed=9)
+    a = decode_case(**c)
+    monkeypatch.setenv("NSA_BACKEND_GLUON", "1")
+    got = sparse_mla_decode_triton(**a)
+    if 16 in GLUON_DECODE_HEADS:
+        want = sparse_mla_decode_gluon(**a)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    monkeypatch.setenv("NSA_BACKEND_GLUON", "0")
+    tl_out = sparse_mla_decode_triton(**a)
+    r_out, r_lse, r_abs = _fp32_reference_decode(a)
+    for out, lse in (got, tl_out):
+        _check_out("out", out.view(r_out.shape), r_out, "route", r_abs)
+        _check_stat("lse", lse, r_lse, "route")
