@@ -23,18 +23,15 @@ One program of ``_sparse_mla_prefill_gluon_kernel`` (8 warps: two warpgroups) ha
 - online softmax in base 2 (``qk_scale = sm_scale * log2(e)``); row sums are kept per key column and
   reduced once after the loop.
 
-Loop variants (``VARIANT``, or ``variant=`` of the launcher):
+The loop is warp-specialised: a 4-warp loader partition (48 registers) copies ``q`` and every key
+tile as soon as the compute warpgroups release a buffer, signalling through ``full`` (``cp.async``
+arrivals, one per loader thread) / ``empty`` mbarriers.
 
-- ``"ws"`` (default): warp-specialised, a 4-warp loader partition (48 registers) copies ``q`` and
-  every key tile as soon as the compute warpgroups release a buffer, signalling through ``full``
-  (``cp.async`` arrivals, one per loader thread) / ``empty`` mbarriers;
-- ``"sync"``: one loop in all 8 warps: wait for tile ``j`` (``cp.async`` groups + a CTA barrier),
-  issue the copy of tile ``j + 1`` into the other buffer, run both products to completion.
-
-H200 (s_q 4096, s_kv 32768, topk 2048; same process): ``"ws"`` 5.34 / 2.75 ms at h_q 128 / 64
-(437 / 426 TFLOP/s, 0.74x / 0.76x FlashMLA, 2.2x the ``tl`` kernel), ``"sync"`` 5.79 / 3.00 ms.
-Tried without gain: leaving each ``P V`` product in flight behind the next scores (6.48 / 3.30 ms;
-ptxas serialises the wgmmas) and a persistent ``"ws"`` (one program per SM: 5.51 / 2.77 ms).
+H200 (s_q 4096, s_kv 32768, topk 2048; same process): 5.34 / 2.75 ms at h_q 128 / 64 (437 / 426
+TFLOP/s, 0.74x / 0.76x FlashMLA, 2.2x the ``tl`` kernel). Tried without gain: one software-pipelined
+loop in all 8 warps without a loader partition (5.79 / 3.00 ms; removed), leaving each ``P V``
+product in flight behind the next scores (6.48 / 3.30 ms; ptxas serialises the wgmmas) and a
+persistent kernel (one program per SM: 5.51 / 2.77 ms).
 Heads are padded to 64 (masked) for other head counts: h_q 32 takes 2.60 ms against 3.63 ms for the
 ``tl`` kernel, h_q 16 2.50 against 2.37 ms, hence ``PADDED_MIN_HEADS = 17``.
 
@@ -64,10 +61,6 @@ NUM_WARPS = 8
 # Head counts that are not a multiple of 64 run on tiles padded to 64 heads (masked) from this many heads
 # on; ``None``: only multiples of 64 take the Gluon kernel.
 PADDED_MIN_HEADS: int | None = 17
-# Loop variants: "sync" (one software-pipelined loop in all warps) and "ws" (a warp-specialised loader
-# partition feeding the compute warpgroups; faster on the H200, the default).
-VARIANTS: tuple[str, ...] = ("sync", "ws")
-VARIANT = "ws"
 LOG2E = 1.4426950408889634
 
 if gluon_importable():
@@ -113,113 +106,6 @@ if gluon_importable():
         for c in gl.static_range(D_V // 64):
             _cp_async(q_smem.slice(c * 64, 64, dim=1), p_q2d + c * 64, mask=m_q2d)
         _cp_async(qr_smem, p_q2d + D_V, mask=m_q2d)
-
-    @gluon.jit
-    def _sparse_mla_prefill_gluon_kernel(
-        q_ptr, kv_ptr, idx_ptr, sink_ptr, topk_len_ptr,
-        out_ptr, lse_ptr, max_ptr,
-        qk_scale,
-        h_q, topk, s_kv,
-        stride_q_row, stride_q_head, stride_idx_row, stride_kv,
-        stride_o_row, stride_o_head, stride_l_row,
-        D_QK: gl.constexpr, D_V: gl.constexpr,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-    ):
-        gl.static_assert(BLOCK_H == 64)
-        gl.static_assert(D_QK - D_V == 64)
-        D_ROPE: gl.constexpr = D_QK - D_V
-        # cp.async tiles: [64 rows, 64 cols], 8 bf16 (16 bytes) per thread and copy
-        g_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        # two warpgroups side by side along N
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_V // 2, 16])
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        row_g: gl.constexpr = gl.SliceLayout(1, g_layout)
-
-        # the head blocks of one row are neighbouring programs (they gather the same keys)
-        n_hb = gl.cdiv(h_q, BLOCK_H)
-        i_r = (gl.program_id(0) // n_hb).to(gl.int64)
-        i_h = gl.program_id(0) % n_hb
-
-        # latent and rope parts in separate buffers (shapes are powers of two)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_V], smem_layout)
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], smem_layout)
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_V], smem_layout)
-        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], smem_layout)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], smem_layout)
-
-        # q tile: one asynchronous copy group together with the first key tile
-        _sparse_mla_copy_q(q_smem, qr_smem, q_ptr, i_r, i_h, h_q, stride_q_row, stride_q_head, D_V, BLOCK_H,
-                           g_layout)
-
-        n_end = topk
-        if HAS_TOPK_LEN:
-            n_end = gl.minimum(gl.maximum(gl.load(topk_len_ptr + i_r), 0), topk)
-        n_tiles = gl.cdiv(n_end, BLOCK_N)
-        p_idx = idx_ptr + i_r * stride_idx_row
-
-        o_ng = gl.arange(0, BLOCK_N, layout=row_g)
-        o_ns = gl.arange(0, BLOCK_N, layout=col_s)
-        # tile 0 (gathered now) and tile 1 (gathered during tile 0)
-        b_idx0 = gl.load(p_idx + o_ng, mask=o_ng < n_end, other=-1)
-        b_idx_g = gl.load(p_idx + BLOCK_N + o_ng, mask=BLOCK_N + o_ng < n_end, other=-1)
-        b_idx_s = gl.load(p_idx + o_ns, mask=o_ns < n_end, other=-1)
-        if n_tiles > 0:
-            _sparse_mla_gather_tile(k_smem.index(0), kr_smem.index(0), kv_ptr, b_idx0, s_kv, stride_kv,
-                                    D_V, D_ROPE, g_layout)
-        async_copy.commit_group()
-
-        b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
-        # per-column partial row sums, reduced after the loop
-        b_l2 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-        b_acc = gl.zeros([BLOCK_H, D_V], gl.float32, layout=o_layout)
-        for j in range(n_tiles):
-            stage = j % 2
-            k_tile = k_smem.index(stage)
-            async_copy.wait_group(0)
-            fence_async_shared()
-            _cta_barrier()
-            n1 = (j + 1) * BLOCK_N
-            # every warp has finished tile j - 1: its buffer takes tile j + 1
-            if n1 < n_end:
-                _sparse_mla_gather_tile(k_smem.index(1 - stage), kr_smem.index(1 - stage), kv_ptr, b_idx_g,
-                                        s_kv, stride_kv, D_V, D_ROPE, g_layout)
-            async_copy.commit_group()
-            # the scores' key mask for this tile; the next tile's indices are read now
-            m_ns = (b_idx_s >= 0) & (b_idx_s < s_kv)
-            b_idx_s = gl.load(p_idx + n1 + o_ns, mask=n1 + o_ns < n_end, other=-1)
-
-            b_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-            b_s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), b_s, use_acc=False, is_async=True)
-            b_s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), b_s, is_async=True)
-            b_s = warpgroup_mma_wait(0, deps=[b_s])
-            n2 = (j + 2) * BLOCK_N
-            b_idx_g = gl.load(p_idx + n2 + o_ng, mask=n2 + o_ng < n_end, other=-1)
-
-            b_s = gl.where(gl.expand_dims(m_ns, 0), b_s * qk_scale, float("-inf"))
-            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
-            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 1))
-            b_alpha = gl.exp2(b_m - b_m_use)
-            b_l2 = b_l2 * gl.expand_dims(b_alpha, 1) + b_p
-            b_m = b_m_new
-            p_smem.store(b_p.to(gl.bfloat16))
-            fence_async_shared()
-            _cta_barrier()
-            b_acc = b_acc * gl.expand_dims(gl.convert_layout(b_alpha, row_o), 1)
-            b_acc = warpgroup_mma(p_smem, k_tile, b_acc, is_async=True)
-            b_acc = warpgroup_mma_wait(0, deps=[b_acc])
-        async_copy.wait_group(0)
-
-        _sparse_mla_epilogue(b_acc, b_l2, b_m, sink_ptr, out_ptr, lse_ptr, max_ptr, i_r, i_h, h_q,
-                             stride_o_row, stride_o_head, stride_l_row, D_V, BLOCK_H, HAS_SINK,
-                             s_layout, o_layout)
 
     @gluon.jit
     def _sparse_mla_epilogue(b_acc, b_l2, b_m, sink_ptr, out_ptr, lse_ptr, max_ptr, i_r, i_h, h_q,
@@ -334,7 +220,7 @@ if gluon_importable():
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
     ):
-        """Warp-specialised variant: a 4-warp loader partition feeds the two compute warpgroups through
+        """Warp-specialised: a 4-warp loader partition feeds the two compute warpgroups through
         ``full`` / ``empty`` mbarriers of the two key buffers."""
         gl.static_assert(BLOCK_H == 64)
         gl.static_assert(D_QK - D_V == 64)
@@ -380,13 +266,11 @@ if gluon_importable():
                              s_layout, o_layout)
 
 
-def kernel(variant: str = "sync"):
-    """The Gluon kernel of ``variant`` (see ``VARIANTS``); ``None`` when this Triton has no usable Gluon."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+def kernel():
+    """The Gluon kernel; ``None`` when this Triton has no usable Gluon."""
     if not gluon_importable():
         return None
-    return _sparse_mla_prefill_gluon_ws_kernel if variant == "ws" else _sparse_mla_prefill_gluon_kernel
+    return _sparse_mla_prefill_gluon_ws_kernel
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> bool:
@@ -419,8 +303,6 @@ def flash_mla_sparse_fwd_gluon(
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
-    *,
-    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gluon :func:`nsa_backend.flash_mla_sparse_fwd` (sm_90; see :func:`supported` for the coverage).
 
@@ -438,9 +320,8 @@ def flash_mla_sparse_fwd_gluon(
     idx = indices.view(s_q, topk)
     if idx.stride(-1) != 1:
         idx = idx.contiguous()
-    variant = VARIANT if variant is None else variant
     grid = (s_q * triton.cdiv(h_q, BLOCK_H),)
-    kernel(variant)[grid](
+    kernel()[grid](
         q, kv2, idx,
         attn_sink if attn_sink is not None else lse,
         topk_length if topk_length is not None else idx,
@@ -449,19 +330,19 @@ def flash_mla_sparse_fwd_gluon(
         h_q, topk, s_kv,
         q.stride(0), q.stride(1), idx.stride(0), kv2.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
-        **_constexprs(d_qk, d_v, attn_sink is not None, topk_length is not None, variant),
+        **_constexprs(d_qk, d_v, attn_sink is not None, topk_length is not None),
         num_warps=NUM_WARPS,
     )
     return out, max_logits, lse
 
 
-def _constexprs(d_qk: int, d_v: int, has_sink: bool, has_topk_len: bool, variant: str) -> dict:
+def _constexprs(d_qk: int, d_v: int, has_sink: bool, has_topk_len: bool) -> dict:
     return dict(D_QK=d_qk, D_V=d_v, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HAS_SINK=has_sink,
                 HAS_TOPK_LEN=has_topk_len)
 
 
-def compile_for_sm90(variant: str = VARIANT, arch: int = 90):
-    """Compile the kernel of ``variant`` ahead of time for ``sm_<arch>`` (no GPU needed) with the runtime's
+def compile_for_sm90(arch: int = 90):
+    """Compile the kernel ahead of time for ``sm_<arch>`` (no GPU needed) with the runtime's
     argument specialisation (16-byte aligned pointers and strides); returns Triton's compiled kernel, whose
     ``metadata.shared`` is the shared memory per program in bytes. Requires Gluon (``gluon_importable``).
     """
@@ -469,11 +350,11 @@ def compile_for_sm90(variant: str = VARIANT, arch: int = 90):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = kernel(variant)
+    fn = kernel()
     names = fn.arg_names
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
             "topk_len_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "max_ptr": "*fp32"}
-    consts = _constexprs(D_QK, D_V, True, True, variant)
+    consts = _constexprs(D_QK, D_V, True, True)
     sig = {n: ptrs.get(n, "constexpr" if n in consts else ("fp32" if n == "qk_scale" else "i32"))
            for n in names}
     aligned = [n for n in names if n in ptrs or n.startswith("stride")]
@@ -484,6 +365,6 @@ def compile_for_sm90(variant: str = VARIANT, arch: int = 90):
 
 
 __all__ = [
-    "GLUON_ARCHS", "VARIANTS", "compile_for_sm90", "flash_mla_sparse_fwd_gluon", "gluon_importable", "kernel",
+    "GLUON_ARCHS", "compile_for_sm90", "flash_mla_sparse_fwd_gluon", "gluon_importable", "kernel",
     "supported",
 ]

@@ -1,11 +1,11 @@
 """Gluon sparse MLA prefill (sm_90) against ``nsa_backend.reference``.
 
 CPU: the dispatch gate (never taken off CUDA or in the interpreter) and an ahead-of-time compile for
-sm_90 of every loop variant within the 227 KiB of shared memory (skipped when the installed Triton has
+sm_90 within the 227 KiB of shared memory (skipped when the installed Triton has
 no usable Gluon).
 GPU (sm_90 with Gluon): a seeded fuzz against the fp32 reference (h_q 64 / 128 / 192 and padded head
 blocks 20 / 32 / 96, topk 1..4096, invalid indices -1 / >= s_kv / other negatives, attn_sink,
-topk_length with empty rows) for every loop variant, several waves of programs, and the prefill
+topk_length with empty rows), several waves of programs, and the prefill
 launcher's dispatch against the ``tl`` kernel.
 """
 
@@ -47,8 +47,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     rows = []
     if gluon_importable():
         from nsa_backend.kernels import sparse_mla_prefill_gluon as G
-        for variant in G.VARIANTS:
-            rows.append([variant, int(G.compile_for_sm90(variant).metadata.shared)])
+        rows.append(int(G.compile_for_sm90().metadata.shared))
     print(json.dumps(rows))
 """)
 
@@ -59,12 +58,8 @@ def test_aot_sm90_fits_shared_memory():
 
     if not gluon_importable():
         pytest.skip("this Triton has no usable Gluon")
-    rows = run_aot_script(_AOT_SCRIPT, timeout=600)
-    from nsa_backend.kernels.sparse_mla_prefill_gluon import VARIANTS
-
-    assert [r[0] for r in rows] == list(VARIANTS)
-    for variant, shared in rows:
-        assert 0 < shared <= SHARED_MEMORY_LIMIT[90], f"{variant}: {shared} B shared"
+    (shared,) = run_aot_script(_AOT_SCRIPT, timeout=600)
+    assert 0 < shared <= SHARED_MEMORY_LIMIT[90], f"{shared} B shared"
 
 
 def _fuzz_cases(n: int, seed: int = 0) -> list[dict]:
@@ -86,10 +81,10 @@ def _fuzz_cases(n: int, seed: int = 0) -> list[dict]:
     return cases
 
 
-def _run(a: dict, case: str, variant: str) -> float:
+def _run(a: dict, case: str) -> float:
     from nsa_backend.kernels.sparse_mla_prefill_gluon import flash_mla_sparse_fwd_gluon
 
-    out, mx, lse = flash_mla_sparse_fwd_gluon(**a, variant=variant)
+    out, mx, lse = flash_mla_sparse_fwd_gluon(**a)
     r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
     err = _check_out("out", out, r_out, case, r_abs)
     _check_stat("lse", lse, r_lse, case)
@@ -98,20 +93,15 @@ def _run(a: dict, case: str, variant: str) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["sync", "ws"])
-def test_gluon_prefill_gpu_fuzz(variant):
+def test_gluon_prefill_gpu_fuzz():
     if not _gluon_device():
         pytest.skip("needs sm_90 and Gluon")
-    from nsa_backend.kernels.sparse_mla_prefill_gluon import VARIANT
-
-    n = 100 if variant == VARIANT else 30
-    errs = [_run(prefill_case(**c), f"{c} variant={variant}", variant) for c in _fuzz_cases(n)]
-    print(f"gluon prefill fuzz ({variant}): {len(errs)} cases, max abs err {max(errs):.3e}")
+    errs = [_run(prefill_case(**c), f"{c}") for c in _fuzz_cases(100)]
+    print(f"gluon prefill fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["sync", "ws"])
-def test_gluon_prefill_many_rows_gpu(variant):
+def test_gluon_prefill_many_rows_gpu():
     """Several waves of programs with ``topk_length`` 0 .. topk + 3 (empty rows between full ones), a
     sink and padded head blocks (h_q 32)."""
     if not _gluon_device():
@@ -119,7 +109,7 @@ def test_gluon_prefill_many_rows_gpu(variant):
     for h_q, s_q in ((128, 300), (64, 517), (32, 401)):
         a = prefill_case(s_q, h_q, 576, 3000, 192, 0.2, True, True, seed=s_q)
         a["topk_length"][::7] = 0
-        _run(a, f"many rows h_q={h_q} s_q={s_q} variant={variant}", variant)
+        _run(a, f"many rows h_q={h_q} s_q={s_q}")
 
 
 @pytest.mark.gpu
@@ -132,7 +122,7 @@ def test_gluon_prefill_bench_shape_matches_tl():
 
     for h_q in (64, 128):
         a = prefill_case(16, h_q, 576, 32768, 2048, 0.0, False, False, seed=h_q)
-        err = _run(a, f"bench slice h_q={h_q}", "sync")
+        err = _run(a, f"bench slice h_q={h_q}")
         out_tl, mx_tl, lse_tl = flash_mla_sparse_fwd_triton(**a, config=prefill_config(64, 90))
         out_g, mx_g, lse_g = flash_mla_sparse_fwd_triton(**a)
         assert (out_g.float() - out_tl.float()).abs().max().item() <= 4 * max(err, 2**-8)
