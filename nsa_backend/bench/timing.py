@@ -30,7 +30,7 @@ import torch
 
 DEFAULT_WARMUP_MS = 25.0
 DEFAULT_REP_MS = 100.0
-# Bytes zeroed before every timed call to evict the L2 cache (H200: 60 MiB of L2).
+# Bytes read before every timed call to evict the L2 cache (H200: 60 MiB of L2).
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 # Bounds on the number of timed calls, so tiny CPU functions and slow references both finish.
 MAX_CALLS = 1000

@@ -60,6 +60,17 @@ def gluon_enabled(arch: int | None, archs: tuple[int, ...]) -> bool:
     """
     if arch is None or arch not in archs or envs.triton_interpret():
         return False
-    if envs.get(envs.GLUON, "1").lower() in ("0", "false", "off", "no"):
+    if not _switch_on(envs.get(envs.GLUON, "1")):
         return False
     return gluon_importable()
+
+
+def _switch_on(value: str) -> bool:
+    text = value.strip().lower()
+    if text in ("1", "true", "on", "yes"):
+        return True
+    if text in ("0", "false", "off", "no"):
+        return False
+    from nsa_backend.routing.config import ConfigError  # a ValueError, like every bad setting
+
+    raise ConfigError(f"{envs.GLUON} must be one of 0/1/true/false/on/off/yes/no, got {value!r}")

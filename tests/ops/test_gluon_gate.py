@@ -39,3 +39,13 @@ def test_old_triton_is_refused(monkeypatch):
         assert not _gluon.gluon_importable()
     finally:
         _gluon.gluon_importable.cache_clear()
+
+
+def test_switch_rejects_unknown_value(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(_gluon, "gluon_importable", lambda: True)
+    monkeypatch.setenv("NSA_BACKEND_GLUON", "off")
+    assert not _gluon.gluon_enabled(90, (90,))
+    monkeypatch.setenv("NSA_BACKEND_GLUON", "maybe")
+    with pytest.raises(ValueError, match="NSA_BACKEND_GLUON"):
+        _gluon.gluon_enabled(90, (90,))
