@@ -134,16 +134,27 @@ def decode_config(block_h: int, arch: int | None, kv_fp8: bool) -> AttnConfig:
 
 
 def decode_num_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_sms: int,
-                      block_h: int = 64) -> tuple[int, int]:
-    """``(num_splits, keys_per_split)`` for ``rows`` query rows: a function of the shapes only."""
+                      block_h: int = 64, programs_per_sm: int | None = None) -> tuple[int, int]:
+    """``(num_splits, keys_per_split)`` for ``rows`` query rows: a function of the shapes only.
+
+    The top-k list is split until ``rows * head_blocks`` programs fill one wave of
+    ``programs_per_sm`` (default ``PROGRAMS_PER_SM[block_h]``) programs per SM, each split keeping at
+    least ``MIN_KEYS_PER_SPLIT`` keys.
+    """
+    per_sm = programs_per_sm if programs_per_sm is not None else PROGRAMS_PER_SM.get(block_h, 1)
     programs = max(1, rows * head_blocks)
-    want = max(1, PROGRAMS_PER_SM.get(block_h, 1) * num_sms // programs)
+    want = max(1, per_sm * num_sms // programs)
     most = max(1, topk // MIN_KEYS_PER_SPLIT)
-    splits = min(want, most, MAX_SPLITS)
-    per = -(-topk // splits)
+    return split_keys(topk, min(want, most, MAX_SPLITS), block_n)
+
+
+def split_keys(topk: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """``(num_splits, keys_per_split)`` for about ``num_splits`` splits of whole ``block_n`` tiles
+    (the count can drop so that no split is empty)."""
+    topk = max(topk, 1)
+    per = -(-topk // num_splits)
     per = -(-per // block_n) * block_n
-    splits = -(-topk // per)
-    return splits, per
+    return -(-topk // per), per
 
 
 def shipped_configs(arch: int) -> list[tuple[str, AttnConfig, bool]]:

@@ -74,3 +74,14 @@ def _switch_on(value: str) -> bool:
     from nsa_backend.routing.config import ConfigError  # a ValueError, like every bad setting
 
     raise ConfigError(f"{envs.GLUON} must be one of 0/1/true/false/on/off/yes/no, got {value!r}")
+
+
+if gluon_importable():
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy as _async_copy
+
+    # Names that Triton 3.7 changed, bound once for every Gluon kernel:
+    # the cp.async copy of a pointer tensor into shared memory (``async_copy_global_to_shared`` ->
+    # ``async_load``) and the CTA-wide barrier (``thread_barrier`` -> ``barrier``).
+    cp_async = getattr(_async_copy, "async_load", None) or _async_copy.async_copy_global_to_shared
+    cta_barrier = getattr(_gl, "barrier", None) or _gl.thread_barrier

@@ -35,6 +35,7 @@ from nsa_backend.configs.sparse_mla import (
     AttnConfig,
     decode_config,
     decode_num_splits,
+    split_keys,
 )
 from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._gluon import gluon_enabled
@@ -110,8 +111,7 @@ def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: t
         sms = device_sms(device, FALLBACK_NUM_SMS)
         splits, per = decode_num_splits(B * s_q, head_blocks, topk, cfg.block_n, sms, cfg.block_h)
     else:
-        per = triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n
-        splits = triton.cdiv(topk, per)
+        splits, per = split_keys(topk, num_splits, cfg.block_n)
     return cfg, splits, per
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from nsa_backend.configs.sparse_mla import decode_num_splits, split_keys
 from nsa_backend.kernels._gluon import gluon_importable
 
 if gluon_importable():
@@ -48,10 +49,7 @@ if gluon_importable():
         warpgroup_mma_wait,
     )
 
-    # Triton 3.9 renamed the asynchronous copy of a pointer tensor into shared memory.
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    # and the CTA-wide barrier
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from nsa_backend.kernels._gluon import cp_async, cta_barrier
 else:  # pragma: no cover - the kernel is never launched without Gluon
     gluon = None
 
@@ -92,23 +90,23 @@ if gluon is not None:
         b_slot = gl.where(m_i, b_idx, 0)
         o_row = (b_slot // page_size).to(gl.int64) * stride_page + (b_slot % page_size).to(gl.int64) * stride_row
         row_smem.store(gl.where(m_i, o_row, -1))
-        _cta_barrier()
+        cta_barrier()
 
         # [BN, 512] latent bytes; the launcher checks that the cache and its strides are 16-byte aligned
         o_lat = row_smem.load(gl.SliceLayout(1, L_LAT))
         p_lat = kv_ptr + gl.expand_dims(gl.multiple_of(gl.maximum(o_lat, 0), 16), 1)
         p_lat = p_lat + gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT)), 0)
-        _async_load(lat_smem, p_lat, mask=gl.expand_dims(o_lat >= 0, 1))
+        cp_async(lat_smem, p_lat, mask=gl.expand_dims(o_lat >= 0, 1))
         # [BN, 64] bf16 rope values
         o_rp = row_smem.load(gl.SliceLayout(1, L_ROPE))
         p_rope = (kv_ptr + gl.multiple_of(gl.maximum(o_rp, 0), 16) + 528).to(gl.pointer_type(gl.bfloat16))
         p_rope = gl.expand_dims(p_rope, 1) + gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
-        _async_load(rope_smem, p_rope, mask=gl.expand_dims(o_rp >= 0, 1))
+        cp_async(rope_smem, p_rope, mask=gl.expand_dims(o_rp >= 0, 1))
         # [BN, 4] fp32 group scales
         o_sc = row_smem.load(gl.SliceLayout(1, L_SC))
         p_sc = (kv_ptr + gl.multiple_of(gl.maximum(o_sc, 0), 16) + 512).to(gl.pointer_type(gl.float32))
         p_sc = gl.expand_dims(p_sc, 1) + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC)), 0)
-        _async_load(sc_smem, p_sc, mask=gl.expand_dims(o_sc >= 0, 1))
+        cp_async(sc_smem, p_sc, mask=gl.expand_dims(o_sc >= 0, 1))
 
     @gluon.jit
     def _sparse_mla_decode_gluon_kernel(
@@ -216,11 +214,11 @@ if gluon is not None:
                 stride_page, stride_row, BLOCK_N, NUM_WARPS)
             async_copy.commit_group()
             async_copy.wait_group(STAGES - 1)
-            _cta_barrier()
+            cta_barrier()
 
             # the P V MMAs of the previous tile ran during the copies; they read k_smem
             b_acc0, b_acc1, b_acc2, b_acc3 = warpgroup_mma_wait(0, deps=[t_acc0, t_acc1, t_acc2, t_acc3])
-            _cta_barrier()
+            cta_barrier()
             st = i % STAGES
             # dequantise the four latent groups: bf16(e4m3 * scale)
             lat = lat_smem.index(st)
@@ -232,7 +230,7 @@ if gluon is not None:
                 b_kf = b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg
                 k_smem.index(g).store(b_kf.to(gl.bfloat16))
             fence_async_shared()
-            _cta_barrier()
+            cta_barrier()
 
             # S^T [BN, BH]
             b_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=L_S)
@@ -250,7 +248,7 @@ if gluon is not None:
             b_m = b_m_new
             p_smem.store(b_p.to(gl.bfloat16))
             fence_async_shared()
-            _cta_barrier()
+            cta_barrier()
             # O^T [512, BH] += V^T P^T
             b_a = gl.expand_dims(gl.convert_layout(b_alpha, gl.SliceLayout(0, L_O)), 0)
             t_acc0 = warpgroup_mma(k_smem.index(0).permute((1, 0)), p_smem, b_acc0 * b_a, is_async=True)
@@ -315,21 +313,18 @@ def decode_gluon_plan(B: int, s_q: int, h_q: int, topk: int, num_sms: int, block
                       num_splits: int | None = None) -> tuple[int, int, int, int, int]:
     """``(block_h, block_n, stages, num_splits, keys_per_split)``: a function of the shapes only.
 
-    One program fills an SM's shared memory, so the top-k list is split until the programs of all
-    rows and head blocks make one wave (each split keeps at least ``GLUON_MIN_KEYS_PER_SPLIT`` keys).
+    One program fills an SM's shared memory, so the top-k list is split (the rule of
+    ``configs.sparse_mla.decode_num_splits``) until the programs of all rows and head blocks make one
+    wave of one program per SM.
     """
     bh, bn, _ = _plan_default(h_q)
     bh, bn = block_h or bh, block_n or bn
     st = stages or _plan_default(bh)[2]
     if num_splits is None:
-        programs = max(1, B * s_q * triton.cdiv(h_q, bh))
-        want = max(1, num_sms // programs)
-        num_splits = max(1, min(want, topk // GLUON_MIN_KEYS_PER_SPLIT, 64))
-    per = triton.cdiv(triton.cdiv(max(topk, 1), num_splits), bn) * bn
-    return bh, bn, st, triton.cdiv(max(topk, 1), per), per
-
-
-GLUON_MIN_KEYS_PER_SPLIT = 256
+        splits, per = decode_num_splits(B * s_q, triton.cdiv(h_q, bh), topk, bn, num_sms, programs_per_sm=1)
+    else:
+        splits, per = split_keys(topk, num_splits, bn)
+    return bh, bn, st, splits, per
 
 
 def sparse_mla_decode_gluon(

@@ -74,10 +74,7 @@ if gluon_importable():
         warpgroup_mma_wait,
     )
 
-    # cp.async into shared memory: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before
-    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    # CTA-wide barrier: ``barrier`` from Triton 3.7 on, ``thread_barrier`` before
-    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    from nsa_backend.kernels._gluon import cp_async, cta_barrier
 
     @gluon.jit
     def _sparse_mla_gather_tile(dst_v, dst_r, kv_ptr, b_idx, s_kv, stride_kv,
@@ -91,8 +88,8 @@ if gluon_importable():
         p_2d = gl.expand_dims(p_row, 1) + gl.expand_dims(o_c, 0)
         m_2d = gl.expand_dims(m_n, 1) & gl.expand_dims(o_c < 64, 0)
         for c in gl.static_range(D_V // 64):
-            _cp_async(dst_v.slice(c * 64, 64, dim=1), p_2d + c * 64, mask=m_2d)
-        _cp_async(dst_r, p_2d + D_V, mask=m_2d)
+            cp_async(dst_v.slice(c * 64, 64, dim=1), p_2d + c * 64, mask=m_2d)
+        cp_async(dst_r, p_2d + D_V, mask=m_2d)
 
     @gluon.jit
     def _sparse_mla_copy_q(q_smem, qr_smem, q_ptr, i_r, i_h, h_q, stride_q_row, stride_q_head,
@@ -104,8 +101,8 @@ if gluon_importable():
         p_q2d = gl.expand_dims(p_row, 1) + gl.expand_dims(o_c, 0)
         m_q2d = gl.expand_dims(o_h < h_q, 1) & gl.expand_dims(o_c < 64, 0)
         for c in gl.static_range(D_V // 64):
-            _cp_async(q_smem.slice(c * 64, 64, dim=1), p_q2d + c * 64, mask=m_q2d)
-        _cp_async(qr_smem, p_q2d + D_V, mask=m_q2d)
+            cp_async(q_smem.slice(c * 64, 64, dim=1), p_q2d + c * 64, mask=m_q2d)
+        cp_async(qr_smem, p_q2d + D_V, mask=m_q2d)
 
     @gluon.jit
     def _sparse_mla_epilogue(b_acc, b_l2, b_m, sink_ptr, out_ptr, lse_ptr, max_ptr, i_r, i_h, h_q,
@@ -199,12 +196,12 @@ if gluon_importable():
             b_m = b_m_new
             p_smem.store(b_p.to(gl.bfloat16))
             fence_async_shared()
-            _cta_barrier()
+            cta_barrier()
             b_acc = b_acc * gl.expand_dims(gl.convert_layout(b_alpha, row_o), 1)
             b_acc = warpgroup_mma(p_smem, k_tile, b_acc, is_async=True)
             b_acc = warpgroup_mma_wait(0, deps=[b_acc])
             # both warpgroups are done with the buffer (and with P): release it to the loader
-            _cta_barrier()
+            cta_barrier()
             mbarrier.arrive(empty_bars.index(stage))
         return b_acc, b_l2, b_m
 
