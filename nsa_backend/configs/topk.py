@@ -27,7 +27,7 @@ configuration fits every architecture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The histograms stay at 256 bins: on an H200 one 4096-bin pass cost about 3x a 256-bin pass, and
 # one 256-bin level leaves too many candidates (a bin spans two octaves of the float range).
@@ -135,8 +135,7 @@ def sieve_config(n: int, rows: int, num_sms: int) -> SieveConfig:
     if rows < num_sms:
         split = min(SIEVE_PARTS_PER_SM * num_sms // max(rows, 1), -(-n // SIEVE_PART_MIN_N), SIEVE_MAX_SPLIT)
         if split > 1:
-            return SieveConfig(cfg.block, cfg.num_warps, cfg.programs_per_sm, cfg.sample, cfg.capacity, split,
-                               cfg.merge_block, cfg.merge_warps, cfg.list_block, cfg.max_regs)
+            return replace(cfg, split=split)
     return cfg
 
 
@@ -268,9 +267,7 @@ def shipped_row_configs() -> list[RowConfig]:
 
 def shipped_sieve_configs() -> list[SieveConfig]:
     """The sieve configurations :func:`sieve_config` returns (the split one with two parts)."""
-    d = SIEVE_DECODE_CONFIG
-    return [SIEVE_PREFILL_CONFIG, d, SieveConfig(d.block, d.num_warps, d.programs_per_sm, d.sample, d.capacity, 2,
-                                                 d.merge_block, d.merge_warps, d.list_block, d.max_regs)]
+    return [SIEVE_PREFILL_CONFIG, SIEVE_DECODE_CONFIG, replace(SIEVE_DECODE_CONFIG, split=2)]
 
 
 def shipped_resident_configs() -> list[tuple[int, ResidentConfig]]:
