@@ -114,6 +114,58 @@ PAGED_WGMMA_TUNED: dict[tuple[int, int], LogitsConfig] = {
     (64, 2): LogitsConfig(64, 128, 4, 8, row_loop=True, k_mask=False, resident=4),
 }
 
+
+@dataclass(frozen=True)
+class PagedGluonConfig:
+    """Launch of the sm_90 Gluon paged kernel (``nsa_backend/kernels/indexer_paged_gluon.py``).
+
+    ``num_stages``: key-tile buffers; ``resident``: programs an SM runs at once (for
+    :func:`paged_chunk`); ``unroll``: key tiles per loop iteration (the last epilogue of an
+    iteration does not overlap an MMA); ``tma``: copy the pages by TMA (else ``cp.async``);
+    ``warp_specialize`` (with ``tma``): a one-warp loader partition feeds the compute warpgroup
+    through mbarriers; ``max_regs``: register cap per thread of the launch (0: the compiler's
+    choice; warp-specialised, the partitions share ``max_regs`` x 8 warps, the loader keeping
+    ``loader_regs``).
+    """
+
+    num_stages: int
+    resident: int
+    unroll: int = 2
+    tma: bool = True
+    warp_specialize: bool = False
+    max_regs: int = 0
+    loader_regs: int = 24
+
+    def shared_bytes_estimate(self, head_dim: int, heads: int, rows: int = 2, page: int = 64) -> int:
+        """Key tiles and scales of every stage plus the query tiles of ``rows`` rows and the mbarriers."""
+        return self.num_stages * (page * (head_dim + 4) + 16) + rows * heads * head_dim
+
+
+# sm_90 Gluon paged kernel, H200 sweeps (B 128, H 64, page 64, CUDA graph; bench/results/h200/tuning/
+# indexer_paged_gluon.md): warp-specialised TMA copies with 4 stages and 3 programs per SM reached
+# 0.63 / 0.75 / 0.79 / 0.81 / 0.81 of the copy rate at 4K..64K with next_n 2 (the tl kernel: 0.50 /
+# 0.57 / 0.60 / 0.63 / 0.65), and 0.70 / 0.82 / 0.89 / 0.93 / 0.95 with next_n 1 at 4 programs per SM
+# (tl: 0.70 / 0.81 / 0.88 / 0.93 / 0.94). 5 or 6 stages were better only at 64K; 4 programs per SM at
+# next_n 2 need a 64-register cap (spills). Caches whose page stride is not whole 128-byte rows take
+# cp.async copies without a loader partition (next_n 2: 0.59 / 0.70 / 0.72 / 0.75 / 0.77). A call is
+# routed to the kernel where the table of its copy engine has an entry (``paged_gluon_config``).
+PAGED_GLUON: dict[int, PagedGluonConfig] = {
+    1: PagedGluonConfig(num_stages=4, resident=4, warp_specialize=True, max_regs=64),
+    2: PagedGluonConfig(num_stages=4, resident=3, warp_specialize=True, max_regs=80),
+}
+PAGED_GLUON_CP: dict[int, PagedGluonConfig] = {
+    2: PagedGluonConfig(num_stages=4, resident=4, tma=False),
+}
+# Head counts (D 128, page 64) the paged launcher routes to the Gluon kernel on sm_90.
+PAGED_GLUON_HEADS: frozenset[int] = frozenset(range(33, 65))
+
+
+def paged_gluon_config(next_n: int, tma: bool) -> PagedGluonConfig | None:
+    """Gluon launch for ``next_n`` rows on a cache that TMA can (``tma``) or cannot copy; ``None``:
+    the call stays on the tl kernel."""
+    return (PAGED_GLUON if tma else PAGED_GLUON_CP).get(next_n)
+
+
 PAGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
     "wgmma": (LogitsConfig(64, 0, 4, 6), LogitsConfig(64, 0, 4, 4), LogitsConfig(64, 0, 4, 2)),
     "big": (LogitsConfig(128, 0, 4, 3), LogitsConfig(64, 0, 4, 3), LogitsConfig(64, 0, 4, 2)),

@@ -63,12 +63,23 @@ PARTS_PROGRAMS_PER_SM = 1
 # at M = 1024 .. 16384 against 0.46 / 0.59 / 0.69 / 0.74 / 0.77 for bf16x3 (same run).
 PARTS_PRECISION = "bf16x2"
 # Archs where the stacked-parts path launches its GEMM and reduction kernels with programmatic
-# dependent launch (each starts while the previous kernel runs and waits for it in-kernel). Off
-# everywhere: on the H200 it gained 1-6 % (0.51 / 0.66 / 0.79 / 0.87 / 0.93 of the copy rate against
-# 0.48 / 0.64 / 0.77 / 0.87 / 0.91 without), and two untested-for-shipping tiles (64-row, 2 programs
-# per SM) gave wrong sums with it on, for a reason not found. The shipped tile passed every check with
-# PDL; (90,) turns it on.
-PDL_ARCHS: tuple[int, ...] = ()
+# dependent launch (each starts while the previous kernel runs and waits for it in-kernel), with
+# Triton >= PDL_MIN_TRITON (the release it was measured on; 3.4 lacks the in-kernel calls in this form).
+# H200, graph, with SYNC_MMA, M = 1024 / 2048 / 4096 / 8192 / 16384, of the copy rate: 0.51 / 0.68 / 0.82 /
+# 0.91 / 0.98 against 0.50 / 0.65 / 0.80 / 0.90 / 0.98 without (same run); the public op with and without
+# it passed a 14.6k-case fuzz. The wrong sums seen with it on two 64-row tiles before came from the
+# overwritten a tile that SYNC_MMA removes (those tiles are exact with it, PDL on or off).
+PDL_ARCHS: tuple[int, ...] = (90,)
+PDL_MIN_TRITON: tuple[int, int] = (3, 6)
+# The stacked-parts GEMM reads each pipelined a tile twice: the tensor-core product (asynchronous on
+# sm_90) and the square sums (registers). Triton 3.6 gives that tile one shared-memory buffer fewer
+# than the b tile (5 against 6 with 6 stages), so with the product left in flight over one step the
+# load issued in that step overwrites the tile the product still reads. ptxas happens to serialize
+# the products of the shipped tile (its C7515 note), which hides this; tiles and code variants where it
+# does not (64-row tiles, N specialised to 32, extra code around the loop) gave wrong sums that
+# differed from run to run. SYNC_MMA uses the product in the same step, so Triton waits for it
+# before issuing the next loads: correct whatever ptxas does.
+SYNC_MMA = True
 SPLIT_B_BLOCK = 2048
 SPLIT_B_NUM_WARPS = 4
 
@@ -104,13 +115,14 @@ GEMM_CONFIGS: dict[int, tuple[GemmConfig, ...]] = {
     64: (GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3)),
     128: (GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3), GemmConfig(64, 64, 4, 2)),
 }
-# Stacked parts, bf16x2 with PDL, H200 (triton 3.6), graph, M = 1024 / 2048 / 4096 / 8192 / 16384, of the copy
-# rate: (128, 64, 8, 6) 0.51 / 0.66 / 0.79 / 0.87 / 0.93. Also measured, not shipped: 8 stages (same within
-# noise), (128, 128, 8, 4) 0.50 / 0.66 / 0.80 / 0.89 / 0.92, (64, 64, 4, 6) at 2 programs per SM (same within
-# noise, and one wrong result after CUDA-graph replays at M = 2048), (64, 128, 4, 3) at 2 per SM (wrong
-# sums); the K chunks added by the last program of each row tile (arrival counters) instead of the
-# reduction kernel: no gain (-8 % at M = 1024, +3 % at 8192), and wrong sums with bf16x3 under triton 3.6;
-# the parts made in registers (d^T = parts @ a^T, no split kernel): 0.39-0.68 (0.44-0.86 with 256-row tiles).
+# Stacked parts, bf16x2 with PDL and SYNC_MMA, H200 (triton 3.6), graph, M = 1024 / 2048 / 4096 / 8192 / 16384,
+# of the copy rate: (128, 64, 8, 6) 0.51 / 0.68 / 0.82 / 0.91 / 0.98. Also measured, not shipped:
+# (64, 128, 4, 3) at 2 programs per SM 0.51 / 0.68 / 0.82 / 0.91 / 0.97 (wrong sums without SYNC_MMA),
+# (64, 64, 4, 6) at 2 per SM 0.51 / 0.66 / 0.80 / 0.89 / 0.96, 8 stages and (128, 128, 8, 4) (same within noise
+# before); the K chunks added inside the GEMM launch by the last program of each row tile (arrival tickets)
+# and b split by the GEMM programs themselves (no split kernel): no gain (0.62-0.63 at M = 2048 with either
+# or both); TF32 with a converted in registers (no split of b): 0.25-0.31; the parts made in registers
+# (d^T = parts @ a^T, no split kernel): 0.39-0.68 (0.44-0.86 with 256-row tiles).
 PARTS_CONFIGS: tuple[GemmConfig, ...] = (GemmConfig(128, 64, 8, 6),)
 
 

@@ -79,9 +79,12 @@ def _switch_on(value: str) -> bool:
 if gluon_importable():
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.language.nvidia.hopper import async_copy as _async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import tma as _tma
 
     # Names that Triton 3.7 changed, bound once for every Gluon kernel:
     # the cp.async copy of a pointer tensor into shared memory (``async_copy_global_to_shared`` ->
-    # ``async_load``) and the CTA-wide barrier (``thread_barrier`` -> ``barrier``).
+    # ``async_load``), the TMA copy of a descriptor's box into shared memory (same rename) and the
+    # CTA-wide barrier (``thread_barrier`` -> ``barrier``).
     cp_async = getattr(_async_copy, "async_load", None) or _async_copy.async_copy_global_to_shared
+    tma_load = getattr(_tma, "async_load", None) or _tma.async_copy_global_to_shared
     cta_barrier = getattr(_gl, "barrier", None) or _gl.thread_barrier

@@ -585,7 +585,10 @@ def fp8_paged_mqa_logits_triton(
     config : LogitsConfig, optional
         Launch configuration overriding ``nsa_backend.configs.indexer.paged_config``.
     chunk : int, optional
-        Keys per program overriding ``nsa_backend.configs.indexer.paged_chunk``.
+        Keys per program overriding ``nsa_backend.configs.indexer.paged_chunk``. Without ``config``
+        and ``chunk``, calls that ``nsa_backend.kernels.indexer_paged_gluon.supported`` accepts
+        (sm_90, ``D`` 128, pages of 64 keys, the ``next_n`` and head counts of the Gluon tables in
+        ``nsa_backend.configs.indexer``) run the Gluon kernel instead.
 
     Returns
     -------
@@ -595,13 +598,19 @@ def fp8_paged_mqa_logits_triton(
     B, next_n, H, D = q.shape
     if kv_cache.dim() == 3:
         kv_cache = kv_cache.unsqueeze(2)
+    arch = device_arch(q.device)
+    if config is None and chunk is None and arch is not None:
+        from nsa_backend.kernels import indexer_paged_gluon as gluon_paged
+
+        if gluon_paged.supported(q, kv_cache, arch):
+            return gluon_paged.fp8_paged_mqa_logits_gluon(q, kv_cache, weights, context_lens, block_table,
+                                                          max_context_len)
     num_pages, page = kv_cache.shape[0], kv_cache.shape[1]
     out = torch.empty(B * next_n, max_context_len, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
     if block_table.shape[1] == 0 or num_pages == 0:  # no page: no visible key
         return out.fill_(float("-inf"))
-    arch = device_arch(q.device)
     native = cfgs.fp8_native(arch)
     cfg = config or cfgs.paged_config(H, next_n, D, arch)
     block_n = cfg.block_n

@@ -21,10 +21,19 @@ Two ways to multiply with the fp32 ``b``, chosen by ``nsa_backend.configs.mhc.us
   ``[3, N, K]`` for ``bf16x3``; the GEMM loop multiplies the ``a`` tile with the parts stacked in one
   tile of ``2 * BLOCK_N`` (``4 * BLOCK_N``) rows (one tensor-core MMA per step, both operands straight
   from the pipelined shared-memory buffers) and adds the parts after the loop; square sums are kept
-  per (row, column of the step) and reduced once after the loop. On the archs in ``PDL_ARCHS``
-  (none by default) the GEMM and reduction kernels use programmatic dependent launch: each starts
-  while the kernel before it runs and waits for it (``griddepcontrol``) before reading its output.
-  H200 sweeps: ``bench/results/h200/tuning/mhc.parts.md``.
+  per (row, column of the step) and reduced once after the loop. With ``SYNC_MMA`` (default) each
+  step's product is waited for in that step: Triton 3.6 gives the ``a`` tile, which the square sums
+  also read, one buffer fewer than the depth at which an in-flight product would be safe, so
+  leaving the product in flight let the next load overwrite its ``a`` tile (wrong, run-to-run
+  different sums in every variant where ptxas did not serialize the products itself; same speed
+  where it did, as for the shipped tile). On the archs in ``PDL_ARCHS`` (sm_90, Triton >= 3.6) the
+  GEMM and reduction kernels use programmatic dependent launch: each starts while the kernel before
+  it runs and waits for it (``griddepcontrol``) before reading its output. H200 (N = 24,
+  K = 28672, CUDA graph): ``a`` read at 0.51 / 0.68 / 0.82 / 0.91 / 0.98 of the copy rate at
+  M = 1024 / 2048 / 4096 / 8192 / 16384 (a pure read of ``a``: 0.59 / 0.83 / 0.91 / 0.98 / 1.04); at
+  M = 2048 the split and chunk-sum kernels take 2.4 and 3.0 us of the ~41 us. Sweeps, including
+  the chunk sums and the split of ``b`` folded into the GEMM launch (no faster) and TF32 without
+  parts (2-3x slower): ``bench/results/h200/tuning/mhc.parts.md``.
 - in-loop split: every step splits the fp32 ``b`` tile into the three parts in registers and runs
   three MMAs (the path for other archs, other N tiles, small M and the ``tf32`` precision).
 """
@@ -53,9 +62,11 @@ __all__ = ["split_plan", "tf32_hc_prenorm_gemm_triton"]
     "EVEN_K": lambda args: (args["K"] % args["BLOCK_K"] == 0 and args["SPLIT_K"] % args["BLOCK_K"] == 0
                             and args["CHUNK_K"] % args["BLOCK_K"] == 0),
     "PARTS_TILE": lambda args: _parts_tile(args["PRECISION"]),
+    "SYNC_MMA": lambda args: cfgs.SYNC_MMA,
 })
 # N stays unspecialised: with N a multiple of 16 (e.g. 32) the stacked-parts variant compiled under
-# triton 3.6 for sm_90 gave wrong sums on the H200; N = 24 (not specialised) was exact.
+# triton 3.6 for sm_90 gave wrong sums on the H200 (before SYNC_MMA: the in-flight product's a tile
+# overwritten, see nsa_backend/configs/mhc.py); N = 24 (not specialised) was exact.
 @triton.jit(do_not_specialize=["N", "NUM_CHUNKS"])
 def _mhc_prenorm_gemm_kernel(
     a_ptr,
@@ -80,6 +91,7 @@ def _mhc_prenorm_gemm_kernel(
     EVEN_K: tl.constexpr,
     PARTS_TILE: tl.constexpr,
     BF16_DOT_AS_FP32: tl.constexpr,
+    SYNC_MMA: tl.constexpr,
 ):
     # a: [M, K] bf16. b: [N, K] fp32, or with B_PARTS its bf16 parts [P, N, K] (b = hi + mid + lo for
     # bf16x3, hi + lo for bf16x2). d: slot i_t at d_ptr + i_t * stride_dt, [M, N] fp32; sq: slot i_t at
@@ -136,6 +148,10 @@ def _mhc_prenorm_gemm_kernel(
                 b_accp = tl.dot(b_af, tl.trans(b_b.to(tl.float32)), b_accp, input_precision="ieee")
             else:
                 b_accp = tl.dot(b_a, tl.trans(b_b), b_accp)
+                if SYNC_MMA:
+                    # Used in the same step, the product completes before the next loads are issued
+                    # (see SYNC_MMA in nsa_backend/configs/mhc.py): "+ 0.0" is not folded (-0.0).
+                    b_accp = b_accp + 0.0
         else:
             if EVEN_K:
                 b_b = tl.load(p_b + k, mask=m_n[:, None], other=0.0)
@@ -302,6 +318,18 @@ def _plan(m: int, n: int, k: int, num_splits: int, device_index: int | None
     return block_n, config, split_plan(m, n, k, num_splits, config.block_m, config.block_k, sms, per_sm), b_parts
 
 
+@functools.cache
+def _triton_version() -> tuple[int, int]:
+    major, minor = (int("".join(ch for ch in piece if ch.isdigit()) or 0)
+                    for piece in [*triton.__version__.split("."), "0"][:2])
+    return major, minor
+
+
+def _pdl_enabled(arch: int | None) -> bool:
+    """Whether the stacked-parts kernels of ``sm_<arch>`` use programmatic dependent launch."""
+    return arch in cfgs.PDL_ARCHS and _triton_version() >= cfgs.PDL_MIN_TRITON
+
+
 def _parts_tile(precision: str) -> int:
     """Rows of the stacked-parts tile per ``BLOCK_N``: two parts, or three plus a zero part."""
     return 2 if precision == "bf16x2" else 4
@@ -425,7 +453,7 @@ def tf32_hc_prenorm_gemm_triton(
         index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     block_n, config, plan, b_parts = _plan(M, N, K, splits, index)
     precision = cfgs.PARTS_PRECISION if b_parts else cfgs.DEFAULT_PRECISION
-    pdl = b_parts and index is not None and device_arch(a.device) in cfgs.PDL_ARCHS
+    pdl = b_parts and index is not None and _pdl_enabled(device_arch(a.device))
     _launch(a, b, d, sqr_sum, splits, block_n, config, plan, precision, b_parts, pdl)
 
 
@@ -434,7 +462,7 @@ _GEMM_SIGNATURE: dict[str, str] = {
     "SPLIT_K": "i32", "CHUNK_K": "i32", "NUM_CHUNKS": "i32", "stride_dt": "i32", "stride_st": "i32",
     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
     "B_PARTS": "constexpr", "SQ_2D": "constexpr", "USE_PDL": "constexpr",
-    "EVEN_K": "constexpr", "PARTS_TILE": "constexpr", "BF16_DOT_AS_FP32": "constexpr",
+    "EVEN_K": "constexpr", "PARTS_TILE": "constexpr", "BF16_DOT_AS_FP32": "constexpr", "SYNC_MMA": "constexpr",
 }
 _SPLIT_B_SIGNATURE: dict[str, str] = {
     "b_ptr": "*fp32", "bp_ptr": "*bf16", "NK": "i32", "NUM_PARTS": "constexpr", "BLOCK": "constexpr",
@@ -469,7 +497,7 @@ def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: b
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": block_n, "BLOCK_K": cfg.block_k, "PRECISION": precision,
                   "B_PARTS": b_parts, "SQ_2D": b_parts, "USE_PDL": pdl and b_parts,
                   "EVEN_K": cfg.block_k == 64, "PARTS_TILE": _parts_tile(precision),
-                  "BF16_DOT_AS_FP32": False}
+                  "BF16_DOT_AS_FP32": False, "SYNC_MMA": cfgs.SYNC_MMA}
     return signature, constexprs
 
 
@@ -484,7 +512,7 @@ def compile_shipped(arch: int) -> list[Any]:
     """
     out = []
     shipped = cfgs.shipped_configs(arch)
-    pdl = arch in cfgs.PDL_ARCHS
+    pdl = _pdl_enabled(arch)
     for block_n, cfg, b_parts in shipped:
         precisions = [cfgs.PARTS_PRECISION] if b_parts else [
             p for p in cfgs.PRECISIONS if p == cfgs.DEFAULT_PRECISION or block_n == cfgs.BLOCK_N_BUCKETS[-1]]

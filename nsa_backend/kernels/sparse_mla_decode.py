@@ -17,10 +17,11 @@ FP8 tokens are dequantised in registers (no dequantised copy of the cache). The 
 and the workspace size are functions of the shapes and the GPU's multiprocessor count only, and
 nothing reads device values on the host, so the call can be captured in a CUDA graph.
 
-On sm_90 the "fp8_ds_mla" cache may instead take the Gluon kernel of
-``nsa_backend.kernels.sparse_mla_decode_gluon`` (asynchronous copies of the gathered rows, warpgroup
-MMAs; same merge kernel) for the head counts where it is faster (``GLUON_DECODE_HEADS``), unless a
-launch override is given or ``NSA_BACKEND_GLUON=0``.
+On sm_90 the "fp8_ds_mla" cache may instead take a Gluon kernel (asynchronous copies of the gathered
+rows, warpgroup MMAs; same merge kernel) unless a launch override is given or ``NSA_BACKEND_GLUON=0``:
+``nsa_backend.kernels.sparse_mla_decode_gluon`` for the few-head counts where it is faster
+(``GLUON_DECODE_HEADS``), ``nsa_backend.kernels.sparse_mla_decode_gluon_ws`` (warp-specialised, 64 heads
+per program) from ``GLUON_WS_DECODE_MIN_HEADS`` heads on where that module is ``ENABLED``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ FALLBACK_NUM_SMS = 8
 # at B 128, 45 vs 58 us at B 32). More heads stay on the tl kernel: a first Gluon version with 32-head
 # programs was slower there (B 128: 370 vs 222 us for 64 heads, 734 vs 432 us for 128).
 GLUON_DECODE_HEADS: frozenset[int] = frozenset(range(1, 17))
+# From this many heads on, the fp8 decode takes the warp-specialised 64-head Gluon kernel of
+# ``sparse_mla_decode_gluon_ws`` on sm_90 where that module is ``ENABLED`` (heads padded to 64 per
+# program). H200, topk 2048: 0.72-0.84x FlashMLA at h_q 128 and 0.89-1.01x at h_q 64, against
+# 0.42-0.67x for the tl kernel; at h_q 32 (B 128) 121 against 267 us for the tl kernel.
+GLUON_WS_DECODE_MIN_HEADS = 17
 
 
 @triton.heuristics({"HAS_SINK": lambda args: args["sink_ptr"] is not None})
@@ -125,6 +131,19 @@ def _gluon_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: i
     return gluon_enabled(arch, GLUON_DECODE_ARCHS) and gluon_decode_supported(q, kv_cache, kv_format, d_v, arch)
 
 
+def _gluon_ws_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int) -> bool:
+    """Whether the warp-specialised 64-head Gluon kernel takes this call (sm_90, fp8 cache, from
+    ``GLUON_WS_DECODE_MIN_HEADS`` heads on, the kernel ``ENABLED``)."""
+    if kv_format != "fp8_ds_mla" or q.shape[2] < GLUON_WS_DECODE_MIN_HEADS:
+        return False
+    from nsa_backend.kernels import sparse_mla_decode_gluon_ws as ws
+
+    if not ws.ENABLED:
+        return False
+    arch = device_arch(q.device)
+    return gluon_enabled(arch, ws.GLUON_WS_DECODE_ARCHS) and ws.supported(q, kv_cache, kv_format, d_v, arch)
+
+
 def sparse_mla_decode_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -171,10 +190,16 @@ def sparse_mla_decode_triton(
         ``out [B, s_q, h_q, d_v] bfloat16`` and ``lse [B, h_q, s_q] float32`` (natural log).
     """
     B, s_q, h_q, d_qk = q.shape
-    if config is None and num_splits is None and native_fp8 is None and _gluon_route(q, kv_cache, kv_format, d_v):
+    planned = config is None and num_splits is None and native_fp8 is None
+    if planned and _gluon_route(q, kv_cache, kv_format, d_v):
         from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 
         return sparse_mla_decode_gluon(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length)
+    if planned and _gluon_ws_route(q, kv_cache, kv_format, d_v):
+        from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
+
+        return sparse_mla_decode_gluon_ws(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
+                                          topk_length)
     topk = indices.shape[-1]
     dev = q.device
     out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=dev)

@@ -1,26 +1,35 @@
 """Gluon sparse MLA decode over the "fp8_ds_mla" paged cache for sm_90 (split-K, merged as in ``tl``).
 
-For a few heads per program the ``tl`` kernel waits on the latency of its key gathers: every tile's
-656-byte rows are loaded into registers right before the MMAs that use them, and ``q`` lives in the
-registers of every warp. This kernel keeps the gathers in flight and ``q`` in shared memory:
+For a few heads per program the decode is bound by gathering and converting the cache rows, not by the
+MMA arithmetic. The kernel is warp-specialised so that the gathers run ahead of the math:
 
-- one program (two warpgroups, 8 warps) handles one query row ``(b, s)``, ``BLOCK_H`` heads and one
-  split of the row's top-k list; the head blocks of a row are neighbours in the launch order;
-- the raw token rows of a tile of ``BLOCK_N = 64`` slots (512 e4m3 bytes, four fp32 scales, 64 bf16
-  rope values) are copied with asynchronous copies (``cp.async``, 16 bytes each) into ``STAGES``
-  shared-memory buffers; the next ``STAGES - 1`` tiles are in flight while a tile is consumed, and
-  the indices of the tile after them are already in registers. A tile's row offsets (``-1`` for an
-  invalid slot: ``< 0``, ``>= n_slots``, past ``topk_length`` or the split) are computed once and
-  kept in shared memory; invalid rows are never dereferenced (masked copies read zeros) and their
-  scores are set to ``-inf``;
-- the latent bytes are dequantised from shared memory (``bf16(e4m3 * scale)``, exactly as the
-  reference) into one bf16 tile ``K [BLOCK_N, 512]`` in the MMA's shared layout; the rope values
-  are copied straight into an MMA-ready buffer;
-- the warpgroup MMAs run transposed so that the keys fill the 64-row side and the few heads are the
+- one program handles one query row ``(b, s)``, ``BLOCK_H`` heads and one split of the row's top-k
+  list (grid ``(head blocks, B * s_q, splits)``; the head blocks of a row are neighbours in the launch
+  order); ``q`` stays in shared memory;
+- a 4-warp loader partition walks the split ``BLOCK_N = 64`` slots at a time and copies each tile's
+  raw 656-byte token rows with asynchronous copies (``cp.async``) into a ring of ``STAGES`` staging
+  buffers (512 e4m3 bytes, the four fp32 group scales, the 64 bf16 rope values straight into an
+  MMA-ready buffer) as soon as the compute warps released a buffer, so up to ``STAGES`` tiles of
+  gathers are in flight. Each tile's slot indices are read a tile ahead. Invalid slots (``< 0``,
+  ``>= num_blocks * page_size``, past ``topk_length`` or the split) are zero-filled, never
+  dereferenced, and their scores are ``-inf``. Loader and compute warps meet on ``full``
+  (``cp.async`` arrivals) / ``empty`` mbarriers;
+- the compute partition (two warpgroups) converts a tile's latent bytes (``bf16(e4m3 * scale)``,
+  exactly as the reference) into one bf16 key buffer ``K [BLOCK_N, 512]`` in the MMA's shared layout;
+  the warpgroup MMAs run transposed so that the keys fill the 64-row side and the few heads are the
   N side: ``S^T = K_nope q_nope^T + K_rope q_rope^T`` (``[BLOCK_N, BLOCK_H]``, heads split over the
   two warpgroups), online softmax over the keys in base 2, ``O^T += V^T P^T`` (``[512, BLOCK_H]``,
-  ``V = K_nope``, latent dims split over the warpgroups). The ``P V`` MMAs run asynchronously
-  during the next tile's copies and are waited for before its dequantisation overwrites ``K``.
+  ``V = K_nope``, latent dims split over the warpgroups), left running while the next tile is
+  awaited. The staging buffer is released as soon as the scores are computed.
+
+H200 (h_q 16, topk 2048, page 64, CUDA graphs, same process): B 128 117.4 / 232.3 us at s_q 1 / 2
+(the previous single-partition kernel 128.7 / 253.5), B 32 40.6 / 68.2 us (44.9 / 74.7). Tried
+without gain (``bench/results/h200/tuning/sparse_mla_gluon.md``): converting and starting the
+scores group by group (more fences and barriers: 141 us at B 128), converting with integer
+operations and the group scales applied outside the MMAs (no faster, and its scores differ from the
+reference's rounded keys by more than the tolerance at large logits), two compute warpgroups each
+owning half of the latent dims with the score halves exchanged through shared memory (119.4 us),
+converting the next tile into registers while ``P V`` runs (0-3 %).
 
 Outputs follow ``_sparse_mla_fwd_kernel``: with one split the final bf16 ``out``, the natural-log
 ``lse`` (``+inf`` for a row without a valid key) and ``attn_sink``; with several splits the
@@ -41,9 +50,10 @@ from nsa_backend.kernels._gluon import gluon_importable
 if gluon_importable():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
+        mbarrier,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
@@ -55,74 +65,87 @@ else:  # pragma: no cover - the kernel is never launched without Gluon
 
 # Architectures the kernel is written for.
 GLUON_DECODE_ARCHS: tuple[int, ...] = (90,)
-# Warps per program (two warpgroups).
+# Warps of the compute partition (two warpgroups).
 GLUON_DECODE_NUM_WARPS = 8
+# Warps and registers per thread of the loader partition (96: no spills).
+LOADER_WARPS = 4
+LOADER_REGS = 96
 
 
 def _plan_default(h_q: int) -> tuple[int, int, int]:
-    """``(block_h, block_n, stages)`` for ``h_q`` heads.
-
-    Two stages: on the H200 (h_q 16, topk 2048) three stages were not faster (B 128: 128.2 vs 130.7 us,
-    B 32: 44.7 vs 44.8 us) and take 41 KiB more shared memory.
-    """
-    return (16 if h_q <= 16 else 32), 64, 2
+    """``(block_h, block_n, stages)`` for ``h_q`` heads: three staging buffers for 16-head blocks, two
+    for 32-head blocks (their ``q`` and ``P`` tiles leave no room for a third)."""
+    return (16, 64, 3) if h_q <= 16 else (32, 64, 2)
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _sparse_mla_decode_gluon_issue(
-        kv_ptr, row_smem, lat_smem, sc_smem, rope_smem, b_idx, n0, n_stop, n_slots, page_size,
-        stride_page, stride_row,
-        BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-    ):
-        """Start the asynchronous copies of the tile whose indices are ``b_idx`` (positions from ``n0``).
-
-        The byte offset of every slot's row (``-1`` for an invalid slot) is computed once and kept in
-        ``row_smem``: the copies read it back in their own layouts, the consumer reads the mask from it.
-        """
-        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NUM_WARPS, 1], [1, 0])
-        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
-        L_I: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        o_n = n0 + gl.arange(0, BLOCK_N, layout=L_I)
-        m_i = (o_n < n_stop) & (b_idx >= 0) & (b_idx < n_slots)
-        b_slot = gl.where(m_i, b_idx, 0)
-        o_row = (b_slot // page_size).to(gl.int64) * stride_page + (b_slot % page_size).to(gl.int64) * stride_row
-        row_smem.store(gl.where(m_i, o_row, -1))
-        cta_barrier()
-
-        # [BN, 512] latent bytes; the launcher checks that the cache and its strides are 16-byte aligned
-        o_lat = row_smem.load(gl.SliceLayout(1, L_LAT))
-        p_lat = kv_ptr + gl.expand_dims(gl.multiple_of(gl.maximum(o_lat, 0), 16), 1)
-        p_lat = p_lat + gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT)), 0)
-        cp_async(lat_smem, p_lat, mask=gl.expand_dims(o_lat >= 0, 1))
-        # [BN, 64] bf16 rope values
-        o_rp = row_smem.load(gl.SliceLayout(1, L_ROPE))
-        p_rope = (kv_ptr + gl.multiple_of(gl.maximum(o_rp, 0), 16) + 528).to(gl.pointer_type(gl.bfloat16))
-        p_rope = gl.expand_dims(p_rope, 1) + gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
-        cp_async(rope_smem, p_rope, mask=gl.expand_dims(o_rp >= 0, 1))
-        # [BN, 4] fp32 group scales
-        o_sc = row_smem.load(gl.SliceLayout(1, L_SC))
-        p_sc = (kv_ptr + gl.multiple_of(gl.maximum(o_sc, 0), 16) + 512).to(gl.pointer_type(gl.float32))
-        p_sc = gl.expand_dims(p_sc, 1) + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC)), 0)
-        cp_async(sc_smem, p_sc, mask=gl.expand_dims(o_sc >= 0, 1))
+    def _sparse_mla_decode_gluon_rows(b_idx, o_n, n_stop, n_slots, PAGE: gl.constexpr, stride_page,
+                                      stride_row):
+        """Byte offsets of the cache rows of slots ``b_idx`` (positions ``o_n``) and their validity."""
+        m_n = (o_n < n_stop) & (b_idx >= 0) & (b_idx < n_slots)
+        b_slot = gl.where(m_n, b_idx, 0)
+        o_row = (b_slot // PAGE).to(gl.int64) * stride_page + (b_slot % PAGE).to(gl.int64) * stride_row
+        # the launcher checks that the cache and its strides are 16-byte aligned
+        return gl.multiple_of(o_row, 16), m_n
 
     @gluon.jit
-    def _sparse_mla_decode_gluon_kernel(
-        q_ptr, kv_ptr, idx_ptr, sink_ptr, topk_len_ptr,
-        out_ptr, lse_ptr,
-        qk_scale,
-        h_q, topk, n_slots, page_size, keys_per_split, rows_per_batch,
-        stride_q_row, stride_q_head, stride_idx_row,
-        stride_page, stride_row,
-        stride_ob, stride_or, stride_os, stride_oh,
-        stride_lb, stride_lr, stride_ls, stride_lh,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
+    def _sparse_mla_decode_gluon_loader(
+        kv_ptr, idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, stride_page, stride_row, stride_idx_row,
+        lat_smem, sc_smem, rope_smem, full_bars, empty_bars,
+        PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LW: gl.constexpr,
     ):
-        # ---- layouts
+        """Loader partition: the raw rows of every tile into the staging buffer the consumers released;
+        each thread's copies arrive on the buffer's ``full`` barrier when they land."""
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LW, 1], [1, 0])
+        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [LW, 1], [1, 0])
+        p_idx = idx_ptr + i_r * stride_idx_row
+        o_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_LAT))
+        o_rp = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_ROPE))
+        o_sc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_SC))
+        c_lat = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT)), 0)
+        c_rp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
+        c_sc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC)), 0)
+        # the indices of a tile are read one tile ahead, in each copy's layout
+        b_il = gl.load(p_idx + n_start + o_lat, mask=n_start + o_lat < n_stop, other=-1)
+        b_ir = gl.load(p_idx + n_start + o_rp, mask=n_start + o_rp < n_stop, other=-1)
+        b_is = gl.load(p_idx + n_start + o_sc, mask=n_start + o_sc < n_stop, other=-1)
+        for j in range(n_tiles):
+            st = j % STAGES
+            n0 = n_start + j * BLOCK_N
+            n1 = n0 + BLOCK_N
+            c_il = b_il
+            c_ir = b_ir
+            c_is = b_is
+            b_il = gl.load(p_idx + n1 + o_lat, mask=n1 + o_lat < n_stop, other=-1)
+            b_ir = gl.load(p_idx + n1 + o_rp, mask=n1 + o_rp < n_stop, other=-1)
+            b_is = gl.load(p_idx + n1 + o_sc, mask=n1 + o_sc < n_stop, other=-1)
+            # wait until the compute warps released this buffer (passes at once on its first use)
+            mbarrier.wait(empty_bars.index(st), ((j // STAGES) & 1) ^ 1)
+            o_row, m_n = _sparse_mla_decode_gluon_rows(c_il, n0 + o_lat, n_stop, n_slots, PAGE, stride_page,
+                                                       stride_row)
+            p_lat = kv_ptr + gl.expand_dims(o_row, 1) + c_lat
+            cp_async(lat_smem.index(st), p_lat, mask=gl.expand_dims(m_n, 1))
+            o_row, m_n = _sparse_mla_decode_gluon_rows(c_ir, n0 + o_rp, n_stop, n_slots, PAGE, stride_page,
+                                                       stride_row)
+            p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.bfloat16))
+            cp_async(rope_smem.index(st), gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_n, 1))
+            o_row, m_n = _sparse_mla_decode_gluon_rows(c_is, n0 + o_sc, n_stop, n_slots, PAGE, stride_page,
+                                                       stride_row)
+            p_sc = (kv_ptr + o_row + 512).to(gl.pointer_type(gl.float32))
+            cp_async(sc_smem.index(st), gl.expand_dims(p_sc, 1) + c_sc, mask=gl.expand_dims(m_n, 1))
+            async_copy.mbarrier_arrive(full_bars.index(st), increment_count=False)
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_compute(
+        q_ptr, idx_ptr, i_r, i_h, h_q, n_start, n_stop, n_tiles, n_slots, qk_scale,
+        stride_q_row, stride_q_head, stride_idx_row,
+        lat_smem, sc_smem, rope_smem, k_smem, q_smem, qr_smem, p_smem, full_bars, empty_bars,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):
+        """Compute partition (two warpgroups): conversion, scores, softmax, ``P V``."""
         L_DQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
         L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
         # S^T [BN, BH]: keys on the MMA's M side (one warpgroup's 64 rows), the heads split over the
@@ -132,9 +155,101 @@ if gluon is not None:
                                                       instr_shape=[16, BLOCK_H // WG, 16])
         L_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, BLOCK_H, 16])
+        L_KEY: gl.constexpr = gl.SliceLayout(1, L_S)
+
+        # ---- q -> shared memory (zeros for heads past h_q)
+        o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
+        m_h = gl.expand_dims(o_h < h_q, 1)
+        p_q = q_ptr + i_r * stride_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
+        o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
+        for g in gl.static_range(4):
+            q_smem.index(g).store(gl.load(p_q + g * 128 + o_qc, mask=m_h, other=0.0))
+        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q)), 0)
+        qr_smem.store(gl.load(p_q + 512 + o_qr, mask=m_h, other=0.0))
+        fence_async_shared()
+        cta_barrier()
+
+        p_idx = idx_ptr + i_r * stride_idx_row
+        o_nk = gl.arange(0, BLOCK_N, layout=L_KEY)
+        o_n = n_start + o_nk
+        b_idx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
+        b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_S))
+        b_l = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, L_S))
+        b_acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
+        b_acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
+        b_acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
+        b_acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
+        t_acc0 = warpgroup_mma_init(b_acc0)
+        t_acc1 = warpgroup_mma_init(b_acc1)
+        t_acc2 = warpgroup_mma_init(b_acc2)
+        t_acc3 = warpgroup_mma_init(b_acc3)
+        for i in range(n_tiles):
+            st = i % STAGES
+            m_n = (o_n < n_stop) & (b_idx >= 0) & (b_idx < n_slots)
+            o_n = n_start + (i + 1) * BLOCK_N + o_nk
+            b_idx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
+            mbarrier.wait(full_bars.index(st), (i // STAGES) & 1)
+            lat = lat_smem.index(st)
+            sc = sc_smem.index(st)
+            # the previous tile's P V read K and P
+            b_acc0, b_acc1, b_acc2, b_acc3 = warpgroup_mma_wait(0, deps=[t_acc0, t_acc1, t_acc2, t_acc3])
+            cta_barrier()
+            # bf16(e4m3 * scale) of the four latent groups
+            for g in gl.static_range(4):
+                b_sg = sc.slice(g, 1, dim=1).load(L_DQ)
+                b_raw = lat.slice(g * 128, 128, dim=1).load(L_DQ)
+                b_kf = b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg
+                k_smem.index(g).store(b_kf.to(gl.bfloat16))
+            fence_async_shared()
+            cta_barrier()
+            # S^T [BN, BH]
+            b_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=L_S)
+            for g in gl.static_range(4):
+                b_s = warpgroup_mma(k_smem.index(g), q_smem.index(g).permute((1, 0)), b_s, is_async=True)
+            b_s = warpgroup_mma(rope_smem.index(st), qr_smem.permute((1, 0)), b_s, is_async=True)
+            b_s = warpgroup_mma_wait(0, deps=[b_s])
+            # both warpgroups are done with the staging buffer: release it to the loader
+            cta_barrier()
+            mbarrier.arrive(empty_bars.index(st))
+
+            b_s = gl.where(gl.expand_dims(m_n, 1), b_s * qk_scale, float("-inf"))
+            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=0))
+            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 0))
+            b_alpha = gl.exp2(b_m - b_m_use)
+            b_l = b_l * b_alpha + gl.sum(b_p, axis=0)
+            b_m = b_m_new
+            p_smem.store(b_p.to(gl.bfloat16))
+            fence_async_shared()
+            cta_barrier()
+            # O^T [512, BH] += V^T P^T
+            b_a = gl.expand_dims(gl.convert_layout(b_alpha, gl.SliceLayout(0, L_O)), 0)
+            t_acc0 = warpgroup_mma(k_smem.index(0).permute((1, 0)), p_smem, b_acc0 * b_a, is_async=True)
+            t_acc1 = warpgroup_mma(k_smem.index(1).permute((1, 0)), p_smem, b_acc1 * b_a, is_async=True)
+            t_acc2 = warpgroup_mma(k_smem.index(2).permute((1, 0)), p_smem, b_acc2 * b_a, is_async=True)
+            t_acc3 = warpgroup_mma(k_smem.index(3).permute((1, 0)), p_smem, b_acc3 * b_a, is_async=True)
+        b_acc0, b_acc1, b_acc2, b_acc3 = warpgroup_mma_wait(0, deps=[t_acc0, t_acc1, t_acc2, t_acc3])
+        return b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_kernel(
+        q_ptr, kv_ptr, idx_ptr, sink_ptr, topk_len_ptr,
+        out_ptr, lse_ptr,
+        qk_scale,
+        h_q, topk, n_slots, keys_per_split, rows_per_batch,
+        stride_q_row, stride_q_head, stride_idx_row,
+        stride_page, stride_row,
+        stride_ob, stride_or, stride_os, stride_oh,
+        stride_lb, stride_lr, stride_ls, stride_lh,
+        PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+        NUM_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    ):
+        WG: gl.constexpr = NUM_WARPS // 4
+        L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BLOCK_H // WG, 16])
         L_OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, NUM_WARPS], [0, 1])
         RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        RAW1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], gl.bfloat16)
         KR_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.bfloat16)
         Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 128], gl.bfloat16)
@@ -152,11 +267,17 @@ if gluon is not None:
         lat_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
         sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, 4], RAW)
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], KR_SL)
-        row_smem = gl.allocate_shared_memory(gl.int64, [STAGES, BLOCK_N], RAW1)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, 128], K_SL)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], Q_SL)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], QR_SL)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], P_SL)
+        full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # loader arrivals: one per loader thread when its copies land; release: one per tile
+        for s in gl.static_range(STAGES):
+            mbarrier.init(full_bars.index(s), count=LOADER_WARPS * 32)
+            mbarrier.init(empty_bars.index(s), count=1)
+        fence_async_shared()
 
         # ---- key range of this split
         n_end = topk
@@ -165,98 +286,18 @@ if gluon is not None:
         n_start = i_s * keys_per_split
         n_stop = gl.minimum(n_start + keys_per_split, n_end)
         n_tiles = gl.cdiv(gl.maximum(n_stop - n_start, 0), BLOCK_N)
-        p_idx = idx_ptr + i_r * stride_idx_row
-        L_N: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
 
-        # ---- prologue: the first STAGES - 1 tiles in flight, the indices of the next one in registers
-        for t in gl.static_range(STAGES - 1):
-            o_t = n_start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=L_N)
-            b_idx_t = gl.load(p_idx + o_t, mask=o_t < n_stop, other=-1)
-            _sparse_mla_decode_gluon_issue(
-                kv_ptr, row_smem.index(t), lat_smem.index(t), sc_smem.index(t), rope_smem.index(t),
-                b_idx_t, n_start + t * BLOCK_N, n_stop, n_slots, page_size, stride_page, stride_row,
-                BLOCK_N, NUM_WARPS)
-            async_copy.commit_group()
-        o_t = n_start + (STAGES - 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=L_N)
-        b_idx_nx = gl.load(p_idx + o_t, mask=o_t < n_stop, other=-1)
-
-        # ---- q -> shared memory (zeros for heads past h_q)
-        o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
-        m_h = gl.expand_dims(o_h < h_q, 1)
-        p_q = q_ptr + i_r * stride_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
-        o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
-        for g in gl.static_range(4):
-            q_smem.index(g).store(gl.load(p_q + g * 128 + o_qc, mask=m_h, other=0.0))
-        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q)), 0)
-        qr_smem.store(gl.load(p_q + 512 + o_qr, mask=m_h, other=0.0))
-
-        b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_S))
-        b_l = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, L_S))
-        b_acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
-        b_acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
-        b_acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
-        b_acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
-        t_acc0 = warpgroup_mma_init(b_acc0)
-        t_acc1 = warpgroup_mma_init(b_acc1)
-        t_acc2 = warpgroup_mma_init(b_acc2)
-        t_acc3 = warpgroup_mma_init(b_acc3)
-
-        for i in range(n_tiles):
-            # copies of tile i + STAGES - 1 (its buffers were consumed one iteration ago)
-            j = i + STAGES - 1
-            st_j = j % STAGES
-            b_idx = b_idx_nx
-            o_n = n_start + (j + 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=L_N)
-            b_idx_nx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
-            _sparse_mla_decode_gluon_issue(
-                kv_ptr, row_smem.index(st_j), lat_smem.index(st_j), sc_smem.index(st_j),
-                rope_smem.index(st_j), b_idx, n_start + j * BLOCK_N, n_stop, n_slots, page_size,
-                stride_page, stride_row, BLOCK_N, NUM_WARPS)
-            async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)
-            cta_barrier()
-
-            # the P V MMAs of the previous tile ran during the copies; they read k_smem
-            b_acc0, b_acc1, b_acc2, b_acc3 = warpgroup_mma_wait(0, deps=[t_acc0, t_acc1, t_acc2, t_acc3])
-            cta_barrier()
-            st = i % STAGES
-            # dequantise the four latent groups: bf16(e4m3 * scale)
-            lat = lat_smem.index(st)
-            sc = sc_smem.index(st)
-            for g in gl.static_range(4):
-                # [BN, 1] scales of group g, broadcast over the group's 128 values
-                b_sg = sc.slice(g, 1, dim=1).load(L_DQ)
-                b_raw = lat.slice(g * 128, 128, dim=1).load(L_DQ)
-                b_kf = b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg
-                k_smem.index(g).store(b_kf.to(gl.bfloat16))
-            fence_async_shared()
-            cta_barrier()
-
-            # S^T [BN, BH]
-            b_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=L_S)
-            for g in gl.static_range(4):
-                b_s = warpgroup_mma(k_smem.index(g), q_smem.index(g).permute((1, 0)), b_s, is_async=True)
-            b_s = warpgroup_mma(rope_smem.index(st), qr_smem.permute((1, 0)), b_s, is_async=True)
-            b_s = warpgroup_mma_wait(0, deps=[b_s])
-            b_iv = row_smem.index(st).load(gl.SliceLayout(1, L_S))
-            b_s = gl.where(gl.expand_dims(b_iv >= 0, 1), b_s * qk_scale, float("-inf"))
-            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=0))
-            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 0))
-            b_alpha = gl.exp2(b_m - b_m_use)
-            b_l = b_l * b_alpha + gl.sum(b_p, axis=0)
-            b_m = b_m_new
-            p_smem.store(b_p.to(gl.bfloat16))
-            fence_async_shared()
-            cta_barrier()
-            # O^T [512, BH] += V^T P^T
-            b_a = gl.expand_dims(gl.convert_layout(b_alpha, gl.SliceLayout(0, L_O)), 0)
-            t_acc0 = warpgroup_mma(k_smem.index(0).permute((1, 0)), p_smem, b_acc0 * b_a, is_async=True)
-            t_acc1 = warpgroup_mma(k_smem.index(1).permute((1, 0)), p_smem, b_acc1 * b_a, is_async=True)
-            t_acc2 = warpgroup_mma(k_smem.index(2).permute((1, 0)), p_smem, b_acc2 * b_a, is_async=True)
-            t_acc3 = warpgroup_mma(k_smem.index(3).permute((1, 0)), p_smem, b_acc3 * b_a, is_async=True)
-        b_acc0, b_acc1, b_acc2, b_acc3 = warpgroup_mma_wait(0, deps=[t_acc0, t_acc1, t_acc2, t_acc3])
-        async_copy.wait_group(0)
+        b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l = gl.warp_specialize([
+            (_sparse_mla_decode_gluon_compute, (
+                q_ptr, idx_ptr, i_r, i_h, h_q, n_start, n_stop, n_tiles, n_slots, qk_scale,
+                stride_q_row, stride_q_head, stride_idx_row,
+                lat_smem, sc_smem, rope_smem, k_smem, q_smem, qr_smem, p_smem, full_bars, empty_bars,
+                BLOCK_H, BLOCK_N, STAGES, NUM_WARPS)),
+            (_sparse_mla_decode_gluon_loader, (
+                kv_ptr, idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, stride_page, stride_row,
+                stride_idx_row, lat_smem, sc_smem, rope_smem, full_bars, empty_bars,
+                PAGE, BLOCK_N, STAGES, LOADER_WARPS)),
+        ], [LOADER_WARPS], [LOADER_REGS])
 
         # ---- epilogue
         m_empty = b_l == 0.0
@@ -341,7 +382,6 @@ def sparse_mla_decode_gluon(
     block_n: int | None = None,
     stages: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = GLUON_DECODE_NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gluon :func:`nsa_backend.sparse_mla_decode` for the "fp8_ds_mla" cache on sm_90.
 
@@ -369,9 +409,13 @@ def sparse_mla_decode_gluon(
     bh, bn, st, splits, per = decode_gluon_plan(B, s_q, h_q, topk, device_sms(dev, 8), block_h, block_n,
                                                 stages, num_splits)
     head_blocks = triton.cdiv(h_q, bh)
-    common = dict(BLOCK_H=bh, BLOCK_N=bn, STAGES=st, HAS_SINK=attn_sink is not None,
-                  HAS_TOPK_LEN=topk_length is not None, NUM_WARPS=num_warps, num_warps=num_warps)
-    args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, page, per, s_q,
+    common = dict(
+        PAGE=page, BLOCK_H=bh, BLOCK_N=bn, STAGES=st, HAS_SINK=attn_sink is not None,
+        HAS_TOPK_LEN=topk_length is not None, NUM_WARPS=GLUON_DECODE_NUM_WARPS, LOADER_WARPS=LOADER_WARPS,
+        LOADER_REGS=LOADER_REGS,
+        num_warps=GLUON_DECODE_NUM_WARPS,
+    )
+    args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), kv_cache.stride(1))
     if splits == 1:
         _sparse_mla_decode_gluon_kernel[(head_blocks, R, 1)](
