@@ -51,9 +51,8 @@ from nsa_backend.reference import DS_MLA_TOKEN_BYTES
 
 # Multiprocessor count used to plan splits off CUDA (the interpreter).
 FALLBACK_NUM_SMS = 8
-# Head counts whose fp8 decode takes the Gluon kernel on sm_90 (H200, topk 2048, h_q 16: 128 vs 177 us
-# at B 128, 45 vs 58 us at B 32). More heads stay on the tl kernel: a first Gluon version with 32-head
-# programs was slower there (B 128: 370 vs 222 us for 64 heads, 734 vs 432 us for 128).
+# Head counts whose fp8 decode takes the few-head Gluon kernel on sm_90 (H200, topk 2048, h_q 16: 117 vs
+# 177 us for the tl kernel at B 128, 41 vs 58 us at B 32). More heads take the 64-head kernel below.
 GLUON_DECODE_HEADS: frozenset[int] = frozenset(range(1, 17))
 # From this many heads on, the fp8 decode takes the warp-specialised 64-head Gluon kernel of
 # ``sparse_mla_decode_gluon_ws`` on sm_90 where that module is ``ENABLED`` (heads padded to 64 per
