@@ -177,6 +177,28 @@ if gluon is not None:
         gl.store(p_row + o_t, b_l, mask=o_t < c1)
 
     @gluon.jit
+    def _indexer_paged_gluon_rows(q_smem, q_ptr, w_ptr, out_ptr, i_b, next_n, H, stride_out, NP: gl.constexpr,
+                                  HP: gl.constexpr, D: gl.constexpr, L_K: gl.constexpr, COL: gl.constexpr):
+        """Start the copy of request ``i_b``'s ``NP`` q tiles ``[HP, D]`` into ``q_smem`` (one cp.async
+        group; heads past ``H`` zero-filled); return the rows' weights ``[HP]`` and output row pointers."""
+        o_qh = gl.arange(0, HP, layout=gl.SliceLayout(1, L_K))
+        o_qd = gl.arange(0, D, layout=gl.SliceLayout(0, L_K))
+        m_q = gl.expand_dims(o_qh < H, 1) & gl.expand_dims(o_qd < D, 0)
+        o_q0 = (i_b.to(gl.int64) * next_n * H + o_qh) * D  # [HP]
+        p_q0 = q_ptr + gl.expand_dims(o_q0, 1) + gl.expand_dims(o_qd, 0)  # [HP, D]
+        cp_async(q_smem.index(0), p_q0, mask=m_q)
+        if NP == 2:
+            cp_async(q_smem.index(1), p_q0 + H * D, mask=m_q)
+        async_copy.commit_group()
+        o_wh = gl.arange(0, HP, layout=COL)
+        p_w0 = w_ptr + i_b.to(gl.int64) * next_n * H + o_wh
+        b_w0 = gl.load(p_w0, mask=o_wh < H, other=0.0)  # [HP]
+        b_w1 = gl.load(p_w0 + (NP - 1) * H, mask=o_wh < H, other=0.0)  # [HP]
+        p_row0 = out_ptr + i_b.to(gl.int64) * next_n * stride_out
+        p_row1 = p_row0 + (NP - 1) * stride_out
+        return b_w0, b_w1, p_row0, p_row1
+
+    @gluon.jit
     def _indexer_paged_gluon_kernel(
         q_ptr, kv_ptr, k_desc, sc_desc, w_ptr, ctx_ptr, bt_ptr, out_ptr,
         H, max_ctx, num_pages, max_blocks, stride_bt, stride_page, page_rows, stride_out, next_n, chunk,
@@ -220,21 +242,8 @@ if gluon is not None:
             sc_rows = sc_smem
 
         # q of every row (heads past H zero-filled), its own copy group
-        o_qh = gl.arange(0, HP, layout=gl.SliceLayout(1, L_K))
-        o_qd = gl.arange(0, D, layout=gl.SliceLayout(0, L_K))
-        m_q = gl.expand_dims(o_qh < H, 1) & gl.expand_dims(o_qd < D, 0)
-        o_q0 = (i_b.to(gl.int64) * next_n * H + o_qh) * D  # [HP]
-        p_q0 = q_ptr + gl.expand_dims(o_q0, 1) + gl.expand_dims(o_qd, 0)  # [HP, D]
-        cp_async(q_smem.index(0), p_q0, mask=m_q)
-        if NP == 2:
-            cp_async(q_smem.index(1), p_q0 + H * D, mask=m_q)
-        async_copy.commit_group()
-        o_wh = gl.arange(0, HP, layout=COL)
-        p_w0 = w_ptr + i_b.to(gl.int64) * next_n * H + o_wh
-        b_w0 = gl.load(p_w0, mask=o_wh < H, other=0.0)  # [HP]
-        b_w1 = gl.load(p_w0 + (NP - 1) * H, mask=o_wh < H, other=0.0)  # [HP]
-        p_row0 = out_ptr + i_b.to(gl.int64) * next_n * stride_out
-        p_row1 = p_row0 + (NP - 1) * stride_out
+        b_w0, b_w1, p_row0, p_row1 = _indexer_paged_gluon_rows(q_smem, q_ptr, w_ptr, out_ptr, i_b, next_n, H,
+                                                               stride_out, NP, HP, D, L_K, COL)
 
         # the first STAGES - 1 tiles in flight
         p_bt = bt_ptr + i_b.to(gl.int64) * stride_bt
@@ -357,21 +366,8 @@ if gluon is not None:
         ROW: gl.constexpr = gl.SliceLayout(1, L_S)
         COL: gl.constexpr = gl.SliceLayout(0, L_S)
         sc_rows = _indexer_paged_gluon_as_rows(sc_smem, STAGES, PAGE, SC_SL)
-        o_qh = gl.arange(0, HP, layout=gl.SliceLayout(1, L_K))
-        o_qd = gl.arange(0, D, layout=gl.SliceLayout(0, L_K))
-        m_q = gl.expand_dims(o_qh < H, 1) & gl.expand_dims(o_qd < D, 0)
-        o_q0 = (i_b.to(gl.int64) * next_n * H + o_qh) * D  # [HP]
-        p_q0 = q_ptr + gl.expand_dims(o_q0, 1) + gl.expand_dims(o_qd, 0)  # [HP, D]
-        cp_async(q_smem.index(0), p_q0, mask=m_q)
-        if NP == 2:
-            cp_async(q_smem.index(1), p_q0 + H * D, mask=m_q)
-        async_copy.commit_group()
-        o_wh = gl.arange(0, HP, layout=COL)
-        p_w0 = w_ptr + i_b.to(gl.int64) * next_n * H + o_wh
-        b_w0 = gl.load(p_w0, mask=o_wh < H, other=0.0)  # [HP]
-        b_w1 = gl.load(p_w0 + (NP - 1) * H, mask=o_wh < H, other=0.0)  # [HP]
-        p_row0 = out_ptr + i_b.to(gl.int64) * next_n * stride_out
-        p_row1 = p_row0 + (NP - 1) * stride_out
+        b_w0, b_w1, p_row0, p_row1 = _indexer_paged_gluon_rows(q_smem, q_ptr, w_ptr, out_ptr, i_b, next_n, H,
+                                                               stride_out, NP, HP, D, L_K, COL)
         p_bt = bt_ptr + i_b.to(gl.int64) * stride_bt
         async_copy.wait_group(0)
         fence_async_shared()
