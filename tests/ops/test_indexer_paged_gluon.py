@@ -20,6 +20,7 @@ import torch
 
 from nsa_backend import reference as ref
 from tests.ops._aot import run_aot_script
+from tests.ops._cuda_graph import capture
 
 FP8 = torch.float8_e4m3fn
 triton = pytest.importorskip("triton")
@@ -268,14 +269,7 @@ def test_gluon_paged_cuda_graph():
         return fp8_paged_mqa_logits_gluon(q, cache, w, ctx, table, max_len)
 
     want = call()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = call()
+    g, got = capture(call)
     ctx[8] = 3000  # graph inputs are read at replay time
     g.replay()
     torch.cuda.synchronize()

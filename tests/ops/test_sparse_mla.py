@@ -201,10 +201,13 @@ def run_prefill_case(a: dict, case: str) -> float:
     return err
 
 
-def run_decode_case(a: dict, case: str, **kw) -> float:
-    from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
+def run_decode_case(a: dict, case: str, decode=None, **kw) -> float:
+    """Run ``decode`` (default: ``sparse_mla_decode_triton``) on case ``a`` with ``kw``; check it against
+    the fp32 reference and return the largest ``out`` error."""
+    if decode is None:
+        from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton as decode
 
-    out, lse = sparse_mla_decode_triton(**a, **kw)
+    out, lse = decode(**a, **kw)
     r_out, r_lse, r_abs = _fp32_reference_decode(a)
     err = _check_out("out", out.view(r_out.shape), r_out, case, r_abs)
     _check_stat("lse", lse, r_lse, case)

@@ -19,11 +19,13 @@ import pytest
 import torch
 
 from tests.ops._aot import run_aot_script
+from tests.ops._cuda_graph import capture
 from tests.ops.test_sparse_mla import (
     _check_out,
     _check_stat,
     _fp32_reference_decode,
     decode_case,
+    run_decode_case,
 )
 
 triton = pytest.importorskip("triton")
@@ -165,11 +167,7 @@ def _gluon_cases(n: int, seed: int) -> list[tuple[dict, dict]]:
 def _run_gluon(a: dict, case: str, **kw) -> float:
     from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 
-    out, lse = sparse_mla_decode_gluon(**a, **kw)
-    r_out, r_lse, r_abs = _fp32_reference_decode(a)
-    err = _check_out("out", out.view(r_out.shape), r_out, case, r_abs)
-    _check_stat("lse", lse, r_lse, case)
-    return err
+    return run_decode_case(a, case, decode=sparse_mla_decode_gluon, **kw)
 
 
 @pytest.mark.gpu
@@ -204,14 +202,7 @@ def test_gluon_decode_cuda_graph():
              num_blocks=64, frac_invalid=0.1, sink=False, topk_len=True, pad_pages=False, seed=5)
     a = decode_case(**c)
     want = sparse_mla_decode_gluon(**a)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        sparse_mla_decode_gluon(**a)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = sparse_mla_decode_gluon(**a)
+    g, got = capture(lambda: sparse_mla_decode_gluon(**a))
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
