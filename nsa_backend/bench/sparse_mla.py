@@ -8,6 +8,11 @@ Shapes (``quick=False``):
   ``B`` in {32, 128}, ``s_q`` in {1, 2}, ``topk 2048``, ``h_q`` in {128, 64, 16}. Bytes: the gathered
   656-byte tokens plus ``q`` and ``out``; ``gbps`` is reported next to the measured copy bandwidth.
 
+Prefill also times ``gather_kv``: a pure read of the same ``topk`` rows of 1152 bytes per query row
+(:func:`gather_kv_rows`, no arithmetic), timed the same way. No prefill kernel that reads every
+gathered row once can be faster, so ``vs_gather_kv`` of the Triton row (the read's time over the
+row's) is its share of the attainable speed; ``gbps`` counts the gathered bytes only.
+
 FlashMLA (``flash_mla`` package, ``use_legacy=True`` where it takes that argument) accepts
 ``h_q`` 64 or 128 only; smaller head counts are run padded to 64 heads, as frameworks do, and the
 row is named ``flash_mla_pad64``. ``ratios["vs_flash_mla"]`` is FlashMLA's time over ours (> 1:
@@ -27,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from nsa_backend.bench.timing import bench_ms, gbps, tflops
 
@@ -84,6 +91,53 @@ def _safe_ms(
         return bench_ms(fn, device=device, graph=graph and device.type == "cuda"), None
     except Exception as e:  # a baseline that fails is reported, not fatal
         return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+@triton.jit
+def _gather_kv_rows_kernel(kv_ptr, idx_ptr, out_ptr, topk, s_kv, stride_idx_row, stride_kv,
+                           D_WORDS: tl.constexpr, D_ROPE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program reads the rows of one query row's index list as int32 words (576 bf16 = 256 + 32
+    # words), BLOCK_N rows at a time, and folds them into one word; invalid indices are skipped.
+    i_r = tl.program_id(0).to(tl.int64)
+    o_n = tl.arange(0, BLOCK_N)
+    o_w = tl.arange(0, D_WORDS)
+    o_r = tl.arange(0, D_ROPE_WORDS)
+    p_idx = idx_ptr + i_r * stride_idx_row
+    b_acc = tl.zeros([BLOCK_N, D_WORDS], dtype=tl.int32)
+    b_accr = tl.zeros([BLOCK_N, D_ROPE_WORDS], dtype=tl.int32)
+    # the indices of a tile are read one tile ahead
+    b_nx = tl.load(p_idx + o_n, mask=o_n < topk, other=-1)
+    for n0 in range(0, topk, BLOCK_N):
+        b_idx = b_nx
+        b_nx = tl.load(p_idx + (n0 + BLOCK_N) + o_n, mask=n0 + BLOCK_N + o_n < topk, other=-1)
+        m_n = (b_idx >= 0) & (b_idx < s_kv)
+        p_row = kv_ptr + tl.where(m_n, b_idx, 0).to(tl.int64) * stride_kv
+        b_acc ^= tl.load(p_row[:, None] + o_w[None, :], mask=m_n[:, None], other=0)
+        b_accr ^= tl.load(p_row[:, None] + D_WORDS + o_r[None, :], mask=m_n[:, None], other=0)
+    b_w = tl.xor_sum(tl.xor_sum(b_acc, axis=1), axis=0) ^ tl.xor_sum(tl.xor_sum(b_accr, axis=1), axis=0)
+    tl.store(out_ptr + i_r, b_w)
+
+
+# Tile of the gather floor (the fastest of the H200 sweep in bench/results/h200/tuning/
+# sparse_mla_prefill_fewhead.md).
+GATHER_BLOCK_N = 32
+GATHER_NUM_WARPS = 4
+
+
+def gather_kv_rows(kv: torch.Tensor, indices: torch.Tensor, block_n: int = GATHER_BLOCK_N,
+                   num_warps: int = GATHER_NUM_WARPS) -> torch.Tensor:
+    """Pure read of the rows ``indices`` (``[s_q, 1, topk]`` i32) of ``kv`` (``[s_kv, 1, 576]`` bf16):
+    one int32 per query row (the xor of every word read), the floor of a sparse prefill."""
+    s_q, topk = indices.shape[0], indices.shape[-1]
+    s_kv = kv.shape[0]
+    words = kv.view(s_kv, -1).view(torch.int32)
+    idx = indices.view(s_q, topk)
+    out = torch.empty(s_q, dtype=torch.int32, device=kv.device)
+    if s_q:
+        _gather_kv_rows_kernel[(s_q,)](words, idx, out, topk, s_kv, idx.stride(0), words.stride(0),
+                                       D_WORDS=256, D_ROPE_WORDS=words.shape[1] - 256, BLOCK_N=block_n,
+                                       num_warps=num_warps)
+    return out
 
 
 def prefill_inputs(s_q: int, s_kv: int, h_q: int, topk: int, device: torch.device) -> dict[str, Any]:
@@ -161,9 +215,11 @@ def bench_prefill(
         )
         rows.append(_row("flash_mla_sparse_fwd", shape, name, fm_ms, flops, nbytes, note=fm_note))
     ratio = fm_ms / ours if (fm_ms and ours) else None
-    rows.insert(
-        0, _row("flash_mla_sparse_fwd", shape, "triton", ours, flops, nbytes, {"vs_flash_mla": ratio}, note)
-    )
+    gather_bytes = s_q * topk * D_QK * 2.0
+    g_ms, g_note = _safe_ms(lambda: gather_kv_rows(a["kv"], a["indices"]), device)
+    rows.append(_row("flash_mla_sparse_fwd", shape, "gather_kv", g_ms, None, gather_bytes, note=g_note))
+    ratios = {"vs_flash_mla": ratio, "vs_gather_kv": g_ms / ours if (g_ms and ours) else None}
+    rows.insert(0, _row("flash_mla_sparse_fwd", shape, "triton", ours, flops, nbytes, ratios, note))
     if with_reference:
         from nsa_backend.reference import flash_mla_sparse_fwd as ref
 

@@ -302,8 +302,10 @@ def flash_mla_sparse_fwd_triton(
     config : AttnConfig, optional
         Launch configuration of the ``tl`` kernel, overriding
         ``nsa_backend.configs.sparse_mla.prefill_config``. Without one, calls that
+        ``nsa_backend.kernels.sparse_mla_prefill_gluon_fewhead.supported`` accepts (sm_90, bf16, ``d_qk``
+        576, ``h_q <= 32``, when enabled) run the few-head Gluon kernel, and calls that
         ``nsa_backend.kernels.sparse_mla_prefill_gluon.supported`` accepts (sm_90, bf16, ``d_qk`` 576,
-        ``h_q >= 17``) run the Gluon kernel instead.
+        ``h_q >= 17``) the 64-head Gluon kernel.
 
     Returns
     -------
@@ -314,7 +316,11 @@ def flash_mla_sparse_fwd_triton(
     arch = device_arch(q.device)
     if config is None and arch is not None:
         from nsa_backend.kernels import sparse_mla_prefill_gluon as gluon_prefill
+        from nsa_backend.kernels import sparse_mla_prefill_gluon_fewhead as gluon_fewhead
 
+        if gluon_fewhead.supported(q, kv, d_v, arch):
+            return gluon_fewhead.flash_mla_sparse_fwd_gluon_fewhead(q, kv, indices, sm_scale, d_v, attn_sink,
+                                                                    topk_length)
         if gluon_prefill.supported(q, kv, d_v, arch):
             return gluon_prefill.flash_mla_sparse_fwd_gluon(q, kv, indices, sm_scale, d_v, attn_sink,
                                                             topk_length)
