@@ -43,11 +43,19 @@ reading the cache. Every copy reads inside the cache: page ids outside ``[0, num
 0 (their keys are ``-inf``); padding tiles of the last iteration read a valid page (TMA) or nothing
 (masked ``cp.async``).
 
+On the host, the TMA descriptors of a cache are built once and reused while the cache keeps its
+address, shape and strides (``_cached_descriptors``, the last ``DESCRIPTOR_CACHE_SIZE`` caches), and
+the launch (configuration, chunk, grid) is computed once per shape, which keeps eager calls close to
+the ``tl`` kernel's host cost.
+
 Only sm_90 with Triton's Gluon dialect (see ``nsa_backend.kernels._gluon``) runs this kernel.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections import OrderedDict
 from dataclasses import replace
 
 import torch
@@ -507,8 +515,14 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, arch: int | None) -> bool
         and shape_supported(q, kv_cache)
         and gluon_enabled(arch, GLUON_ARCHS)
         and q.is_cuda
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) == (9, 0)
     )
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device ``index`` (read once per device)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def tma_supported(kv_cache: torch.Tensor) -> bool:
@@ -519,7 +533,8 @@ def tma_supported(kv_cache: torch.Tensor) -> bool:
 
 def _tma_descriptors(kv_cache: torch.Tensor):
     """TMA descriptors of the key rows (``[rows, 128]`` fp8, one page = ``PAGE`` rows starting at row
-    ``page * page_rows``) and of the scales (``[num_pages, PAGE]`` fp32), and ``page_rows``."""
+    ``page * page_rows``) and of the scales (``[num_pages, PAGE]`` fp32), and ``page_rows``; built
+    anew on every call (the ahead-of-time compile uses it; launches take :func:`_cached_descriptors`)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -536,6 +551,60 @@ def _tma_descriptors(kv_cache: torch.Tensor):
     return k_desc, sc_desc, stride_page // HEAD_DIM
 
 
+class _Address:
+    """A descriptor's ``base`` in :func:`_cached_descriptors`: the start address and element type of
+    the viewed tensor, which is all that Triton reads from it (the launcher encodes the descriptor
+    from ``base.data_ptr()``, shape and strides; the kernel's signature names ``base.dtype``). Unlike
+    the tensor, it does not keep the cache's memory alive."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, tensor: torch.Tensor):
+        self._ptr = tensor.data_ptr()
+        self.dtype = tensor.dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+# Descriptors of recently launched caches, least recently used first (see _cached_descriptors).
+DESCRIPTOR_CACHE_SIZE = 128
+_DESCRIPTORS: OrderedDict[tuple, tuple] = OrderedDict()
+_DESCRIPTORS_LOCK = threading.Lock()
+
+
+def _descriptor_key(kv_cache: torch.Tensor) -> tuple:
+    return (kv_cache.device, kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype,
+            (PAGE, HEAD_DIM))
+
+
+def _cached_descriptors(kv_cache: torch.Tensor):
+    """:func:`_tma_descriptors` of ``kv_cache``, reused from the last ``DESCRIPTOR_CACHE_SIZE`` caches.
+
+    A descriptor is a function of the key: the cache's device, start address, shape and strides (the
+    page count and page stride), its dtype and the copied boxes. The cached descriptors hold only
+    the address (:class:`_Address`), not the tensor, so a cache tensor can be freed while its entry
+    remains; a later tensor at the same address with the same shape and strides then has the same
+    key and exactly the same descriptors as a fresh build, so reusing them is correct (a tensor that
+    differs in any of these has another key). The descriptors are encoded for the GPU at each
+    launch from these fields, so a CUDA graph captures the same values as an uncached call."""
+    key = _descriptor_key(kv_cache)
+    with _DESCRIPTORS_LOCK:
+        hit = _DESCRIPTORS.get(key)
+        if hit is not None:
+            _DESCRIPTORS.move_to_end(key)
+            return hit
+    k_desc, sc_desc, page_rows = _tma_descriptors(kv_cache)
+    k_desc.base = _Address(k_desc.base)
+    sc_desc.base = _Address(sc_desc.base)
+    hit = (k_desc, sc_desc, page_rows)
+    with _DESCRIPTORS_LOCK:
+        _DESCRIPTORS[key] = hit
+        while len(_DESCRIPTORS) > DESCRIPTOR_CACHE_SIZE:
+            _DESCRIPTORS.popitem(last=False)
+    return hit
+
+
 # Launch used for a call that has no entry in the configuration tables (a direct call).
 _FALLBACK = cfgs.PagedGluonConfig(num_stages=4, resident=4, tma=False)
 
@@ -544,13 +613,29 @@ def launch_config(next_n: int, kv_cache: torch.Tensor,
                   config: cfgs.PagedGluonConfig | None = None) -> cfgs.PagedGluonConfig:
     """The launch of a call: ``config`` or the table entry of the cache's copy engine, with TMA (and
     the loader partition) turned off where :func:`tma_supported` says no."""
-    tma_ok = tma_supported(kv_cache)
+    return _launch_config(next_n, tma_supported(kv_cache), config)
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_config(next_n: int, tma_ok: bool, config: cfgs.PagedGluonConfig | None) -> cfgs.PagedGluonConfig:
     cfg = config or cfgs.paged_gluon_config(next_n, tma_ok) or cfgs.paged_gluon_config(next_n, False) or _FALLBACK
     if cfg.tma and not tma_ok:
         cfg = replace(cfg, tma=False, warp_specialize=False, max_regs=0)
     if cfg.warp_specialize and not cfg.tma:
         cfg = replace(cfg, warp_specialize=False, max_regs=0)
     return cfg
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(B: int, next_n: int, H: int, max_context_len: int, tma_ok: bool, ctx_2d: bool, num_sms: int,
+                 config: cfgs.PagedGluonConfig | None, chunk: int | None):
+    """``(config, chunk, grid, constexprs)`` of a launch: a function of the shapes, so it is computed
+    once per shape."""
+    cfg = _launch_config(next_n, tma_ok, config)
+    chunk = chunk or cfgs.paged_chunk(B, max_context_len, num_sms, PAGE, cfg.resident)
+    chunk = triton.cdiv(chunk, PAGE) * PAGE
+    grid = (B, triton.cdiv(max_context_len, chunk))
+    return cfg, chunk, grid, _constexprs(next_n, cfgs.padded_heads(H), cfg, ctx_2d)
 
 
 def fp8_paged_mqa_logits_gluon(
@@ -590,12 +675,9 @@ def fp8_paged_mqa_logits_gluon(
         return out
     if block_table.shape[1] == 0 or num_pages == 0:  # no page: no visible key
         return out.fill_(float("-inf"))
-    cfg = launch_config(next_n, kv_cache, config)
-    chunk = chunk or cfgs.paged_chunk(B, max_context_len, device_sms(q.device), PAGE, cfg.resident)
-    chunk = triton.cdiv(chunk, PAGE) * PAGE
-    grid = (B, triton.cdiv(max_context_len, chunk))
-    k_desc, sc_desc, page_rows = _tma_descriptors(kv_cache) if cfg.tma else (None, None, 0)
-    consts = _constexprs(next_n, cfgs.padded_heads(H), cfg, context_lens.dim() == 2)
+    cfg, chunk, grid, consts = _launch_plan(B, next_n, H, max_context_len, tma_supported(kv_cache),
+                                            context_lens.dim() == 2, device_sms(q.device), config, chunk)
+    k_desc, sc_desc, page_rows = _cached_descriptors(kv_cache) if cfg.tma else (None, None, 0)
     common = (H, max_context_len, num_pages, block_table.shape[1], block_table.stride(0))
     if cfg.warp_specialize:
         _indexer_paged_gluon_ws_kernel[grid](

@@ -1,12 +1,14 @@
 """Gluon paged indexer logits (sm_90, ``next_n`` 1 and 2) against ``nsa_backend.reference``.
 
-CPU: the dispatch gate (never taken off CUDA or in the interpreter), the shape rules, and an
-ahead-of-time compile for sm_90 of every stage count the configuration can pick, within the shared
-memory of sm_90 (skipped when the installed Triton has no usable Gluon).
+CPU: the dispatch gate (never taken off CUDA or in the interpreter), the shape rules, the cache of
+TMA descriptors (hits, keys, eviction; no tensor kept alive), and an ahead-of-time compile for sm_90
+of every stage count the configuration can pick, within the shared memory of sm_90 (skipped when
+the installed Triton has no usable Gluon).
 GPU (sm_90 with Gluon): a seeded fuzz against the reference (head counts 8..128, contexts 0..70000
 in both ``context_lens`` forms, padded page strides, invalid and out-of-range block-table entries,
 stage counts, chunks and extra output columns), the route of the paged launcher (Gluon where
-supported, the ``tl`` kernel with ``NSA_BACKEND_GLUON=0``) and CUDA-graph capture.
+supported, the ``tl`` kernel with ``NSA_BACKEND_GLUON=0``), CUDA-graph capture and launches on
+caches that reuse the memory of freed ones.
 """
 
 from __future__ import annotations
@@ -122,6 +124,90 @@ def test_tma_rule():
         assert G.tma_supported(cache) == ok, pad
         cfg = G.launch_config(2, cache)
         assert cfg.tma == ok and (not cfg.warp_specialize or ok)
+
+
+def _needs_gluon():
+    from nsa_backend.kernels._gluon import gluon_importable
+
+    if not gluon_importable():
+        pytest.skip("this Triton has no usable Gluon")
+
+
+def _desc_fields(desc) -> tuple:
+    return (desc.base.data_ptr(), desc.base.dtype, list(desc.shape), list(desc.strides), list(desc.block_shape),
+            repr(desc.layout), desc.padding)
+
+
+@pytest.fixture
+def descriptor_cache(monkeypatch):
+    """An empty descriptor cache of 4 entries for the test."""
+    from collections import OrderedDict
+
+    from nsa_backend.kernels import indexer_paged_gluon as G
+
+    monkeypatch.setattr(G, "_DESCRIPTORS", OrderedDict())
+    monkeypatch.setattr(G, "DESCRIPTOR_CACHE_SIZE", 4)
+    return G
+
+
+def test_descriptor_cache_hits(descriptor_cache):
+    """A second call on the cache, or on another view of it with the same address, shape and strides,
+    reuses the descriptors; they equal a fresh build and hold no tensor."""
+    _needs_gluon()
+    G = descriptor_cache
+    _, cache, *_ = _paged_case(2, 64, [70, 5], False, pad=128)
+    first = G._cached_descriptors(cache)
+    assert G._cached_descriptors(cache) is first
+    assert G._cached_descriptors(cache.view(cache.shape)) is first  # another tensor object, same key
+    assert len(G._DESCRIPTORS) == 1
+    fresh = G._tma_descriptors(cache)
+    assert first[2] == fresh[2] == cache.stride(0) // 128
+    for got, want in zip(first[:2], fresh[:2]):
+        assert _desc_fields(got) == _desc_fields(want)
+        assert not any(isinstance(v, torch.Tensor) for v in vars(got).values())  # the memory may be freed
+
+
+def test_descriptor_cache_key(descriptor_cache):
+    """Another start address, page count or page stride is another entry with its own descriptors."""
+    _needs_gluon()
+    G = descriptor_cache
+    _, padded, *_ = _paged_case(2, 64, [70, 5], False, spare=5, pad=128)
+    base = G._cached_descriptors(padded)
+    narrow = padded.as_strided(padded.shape, (128 * 66, 132, 132, 1))  # same address and shape, other stride
+    fewer = padded[:-1]  # same address and strides, fewer pages
+    later = padded[1:]  # same shape and strides as fewer, another address
+    assert narrow.data_ptr() == padded.data_ptr() and narrow.stride(0) != padded.stride(0)
+    keys = {G._descriptor_key(v) for v in (padded, narrow, fewer, later)}
+    assert len(keys) == 4
+    seen = [base]
+    for view in (narrow, fewer, later):
+        got = G._cached_descriptors(view)
+        assert all(got is not other for other in seen)
+        fresh = G._tma_descriptors(view)
+        assert got[2] == fresh[2]
+        for a, b in zip(got[:2], fresh[:2]):
+            assert _desc_fields(a) == _desc_fields(b)
+        seen.append(got)
+    assert len(G._DESCRIPTORS) == 4
+    assert seen[1][2] != seen[0][2]  # page rows follow the stride
+
+
+def test_descriptor_cache_eviction(descriptor_cache):
+    """At most DESCRIPTOR_CACHE_SIZE entries; the least recently used goes first."""
+    _needs_gluon()
+    G = descriptor_cache
+    _, cache, *_ = _paged_case(2, 64, [70, 5], False, spare=8)
+    views = [cache[i:] for i in range(6)]  # six start addresses
+    first = [G._cached_descriptors(v) for v in views[:4]]
+    assert G._cached_descriptors(views[0]) is first[0]  # now the most recently used
+    G._cached_descriptors(views[4])  # evicts views[1]
+    assert len(G._DESCRIPTORS) == 4
+    assert G._cached_descriptors(views[0]) is first[0]
+    assert G._cached_descriptors(views[2]) is first[2]
+    again = G._cached_descriptors(views[1])  # rebuilt (evicts views[3])
+    assert again is not first[1] and _desc_fields(again[0]) == _desc_fields(first[1][0])
+    assert G._descriptor_key(views[3]) not in G._DESCRIPTORS
+    assert G._descriptor_key(views[4]) in G._DESCRIPTORS
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter")
@@ -278,3 +364,22 @@ def test_gluon_paged_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gluon_paged_descriptor_reuse_gpu():
+    """Launches reuse the cached descriptors of a cache; a new cache at the address of a freed one (same
+    shape and strides) computes from its own contents; another page stride is another entry."""
+    if not _gluon_device():
+        pytest.skip("needs sm_90 and Gluon")
+    from nsa_backend.kernels import indexer_paged_gluon as G
+
+    lens = [3000, 0, 700, 5000]
+    for seed, pad in ((1, 0), (2, 0), (3, 128)):  # the second cache usually takes the first one's memory
+        q, cache, w, ctx, table, max_len = _paged_case(4, 64, lens, False, pad=pad, bad_pages=True, device="cuda",
+                                                       seed=seed)
+        want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len)
+        for _ in range(2):
+            _assert_logits(G.fp8_paged_mqa_logits_gluon(q, cache, w, ctx, table, max_len), want, f"seed {seed}")
+        assert G._descriptor_key(cache) in G._DESCRIPTORS
+        del q, cache, w, ctx, table
