@@ -51,7 +51,7 @@ from nsa_backend.reference import DS_MLA_TOKEN_BYTES
 
 # Multiprocessor count used to plan splits off CUDA (the interpreter).
 FALLBACK_NUM_SMS = 8
-# Head counts whose fp8 decode takes the few-head Gluon kernel on sm_90 (H200, topk 2048, h_q 16: 117 vs
+# Head counts whose fp8 decode takes the few-head Gluon kernels on sm_90 (H200, topk 2048, h_q 16: 96 vs
 # 177 us for the tl kernel at B 128, 41 vs 58 us at B 32). More heads take the 64-head kernel below.
 GLUON_DECODE_HEADS: frozenset[int] = frozenset(range(1, 17))
 # From this many heads on, the fp8 decode takes the warp-specialised 64-head Gluon kernel of

@@ -31,6 +31,27 @@ reference's rounded keys by more than the tolerance at large logits), two comput
 owning half of the latent dims with the score halves exchanged through shared memory (119.4 us),
 converting the next tile into registers while ``P V`` runs (0-3 %).
 
+The "pair" kernel (``_sparse_mla_decode_gluon_pair_kernel``, 16-head blocks, from ``PAIR_MIN_ROWS``
+programs per split on) stops reading every key tile twice for the scores: instead of splitting the heads
+of one tile, each of its two compute warpgroups (two worker partitions of 4 warps, 200 registers)
+takes every other tile of the split with its own key buffers (one per latent group, so that the
+stores of the conversion need no barrier between them), its own scores ``S^T = K q^T`` for all 16
+heads (m64n16), softmax, ``O^T``, max and row sums; the two states are merged once at the end through
+shared memory (each partition's ``O^T`` over its own key buffers). The loader is the default
+partition: ``q`` once, then half tiles (32 slots) of latent bytes and scales into 3 half buffers, each
+refilled once the tile that used it is converted, and the rope values of a tile into 2 MMA-ready
+buffers, refilled once the scores of the tile that used it are done. Shared memory: 221,728 B. The
+``P V`` MMAs are waited in the iteration that issues them (left in flight across the back edge, ptxas
+serialises every wgmma). H200 (h_q 16, topk 2048, page 64, CUDA graphs, same process): B 128 95.6 /
+176.1 us at s_q 1 / 2 (the kernel above 117.8 / 232.1), B 32 s_q 2 59.8 us (67.4); at B 32 s_q 1
+(32 programs per split) 41.7 against 40.6 us, so fewer rows keep the kernel above. Probes at B 128 s_q
+1 (parts removed, garbage data): no copies 77.0, copies only 55.2, conversion only 38.4, MMAs only
+40.8, none of the three 16.8 us. Tried without gain (``bench/results/h200/tuning/sparse_mla_gluon.md``):
+converting and scoring group by group, 16 elements per thread in the conversion, 3 rope buffers,
+an L2 bulk prefetch of the rows 2-8 tiles ahead (slower: 114-126 us), the MMAs of the two
+partitions alternating in tile order, and a separate converter partition feeding two MMA-only
+partitions (99 us).
+
 Outputs follow ``_sparse_mla_fwd_kernel``: with one split the final bf16 ``out``, the natural-log
 ``lse`` (``+inf`` for a row without a valid key) and ``attn_sink``; with several splits the
 normalised fp32 partial outputs and base-2 lse that ``_sparse_mla_decode_merge_kernel`` combines.
@@ -70,6 +91,15 @@ GLUON_DECODE_NUM_WARPS = 8
 # Warps and registers per thread of the loader partition (96: no spills).
 LOADER_WARPS = 4
 LOADER_REGS = 96
+# Whether 16-head blocks take the pair kernel (two compute warpgroups on alternate tiles) and its
+# launch constants: half-tile staging buffers of latent bytes and scales, tile buffers of rope values,
+# contiguous elements per thread in the conversion, registers per thread of each compute warpgroup
+# (the loader partition gets the rest).
+PAIR = True
+PAIR_OPTIONS: dict[str, int] = {"LAT_STAGES": 3, "ROPE_STAGES": 2, "DQ_VEC": 8, "COMPUTE_REGS": 200}
+# The pair kernel from this many programs per split on (query rows times head blocks); fewer rows
+# take the kernel above (H200, h_q 16: B 32 s_q 1 40.6 against 41.7 us).
+PAIR_MIN_ROWS = 64
 
 
 def _plan_default(h_q: int) -> tuple[int, int, int]:
@@ -334,6 +364,400 @@ if gluon is not None:
         else:
             gl.store(p_out, b_o.to(gl.bfloat16), mask=m_h)
 
+    # ---- two warpgroups on alternate tiles ("pair" kernel, 16-head blocks)
+
+    # the f32 view of a key buffer that carries a partition's O^T block to the merge (the method is
+    # ``_reinterpret`` before Triton 3.7)
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+
+        @gluon.jit
+        def _sparse_mla_decode_gluon_o_view(buf, BLOCK_H: gl.constexpr):
+            O_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            return buf.reinterpret(gl.float32, [128, BLOCK_H], O_SL)
+    else:
+
+        @gluon.jit
+        def _sparse_mla_decode_gluon_o_view(buf, BLOCK_H: gl.constexpr):
+            O_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            return buf._reinterpret(gl.float32, [128, BLOCK_H], O_SL)
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il, c_is, o_lat, o_sc, c_lat, c_sc, n0, n_stop, n_slots,
+                                           lat, sc, PAGE: gl.constexpr, stride_page, stride_row):
+        """``cp.async`` of one half tile's latent bytes and group scales (invalid slots zero-filled)."""
+        o_row, m_n = _sparse_mla_decode_gluon_rows(c_il, n0 + o_lat, n_stop, n_slots, PAGE, stride_page, stride_row)
+        cp_async(lat, kv_ptr + gl.expand_dims(o_row, 1) + c_lat, mask=gl.expand_dims(m_n, 1))
+        o_row, m_n = _sparse_mla_decode_gluon_rows(c_is, n0 + o_sc, n_stop, n_slots, PAGE, stride_page, stride_row)
+        p_sc = (kv_ptr + o_row + 512).to(gl.pointer_type(gl.float32))
+        cp_async(sc, gl.expand_dims(p_sc, 1) + c_sc, mask=gl.expand_dims(m_n, 1))
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_loader(
+        q_ptr, kv_ptr, idx_ptr, i_r, i_h, h_q, n_start, n_stop, n_tiles, n_slots,
+        stride_q_row, stride_q_head, stride_idx_row, stride_page, stride_row,
+        q_smem, qr_smem, lat_smem, sc_smem, rope_smem, q_bar, lat_full, conv_bars, rope_full, rope_empty,
+        PAGE: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr, LAT_STAGES: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, LW: gl.constexpr,
+    ):
+        """Loader partition (the default one) of the pair kernel: ``q`` once, then per tile the latent
+        bytes and scales of its two halves of ``HALF`` slots into the ``LAT_STAGES`` half buffers and
+        its rope values into the ``ROPE_STAGES`` MMA-ready buffers, each buffer as soon as the compute
+        partition of its previous tile released it."""
+        L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LW, 1], [1, 0])
+        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [LW, 1], [1, 0])
+        BLOCK_N: gl.constexpr = 2 * HALF
+        # q [BLOCK_H, 576] (zeros for heads past h_q)
+        o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
+        p_q = q_ptr + i_r * stride_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
+        m_h = gl.expand_dims(o_h < h_q, 1)
+        o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
+        for g in gl.static_range(4):
+            cp_async(q_smem.index(g), p_q + g * 128 + o_qc, mask=m_h)
+        o_hr = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_ROPE))
+        p_qr = q_ptr + i_r * stride_q_row + gl.expand_dims(o_hr.to(gl.int64) * stride_q_head, 1) + 512
+        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
+        cp_async(qr_smem, p_qr + o_qr, mask=gl.expand_dims(o_hr < h_q, 1))
+        async_copy.mbarrier_arrive(q_bar, increment_count=False)
+
+        p_idx = idx_ptr + i_r * stride_idx_row
+        o_lat = gl.arange(0, HALF, layout=gl.SliceLayout(1, L_LAT))
+        o_sc = gl.arange(0, HALF, layout=gl.SliceLayout(1, L_SC))
+        o_rp = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_ROPE))
+        c_lat = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT)), 0)
+        c_rp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
+        c_sc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC)), 0)
+        # the indices of a tile are read one tile ahead, in each copy's layout
+        b_il0 = gl.load(p_idx + n_start + o_lat, mask=n_start + o_lat < n_stop, other=-1)
+        b_il1 = gl.load(p_idx + n_start + HALF + o_lat, mask=n_start + HALF + o_lat < n_stop, other=-1)
+        b_is0 = gl.load(p_idx + n_start + o_sc, mask=n_start + o_sc < n_stop, other=-1)
+        b_is1 = gl.load(p_idx + n_start + HALF + o_sc, mask=n_start + HALF + o_sc < n_stop, other=-1)
+        b_ir = gl.load(p_idx + n_start + o_rp, mask=n_start + o_rp < n_stop, other=-1)
+        for j in range(n_tiles):
+            n0 = n_start + j * BLOCK_N
+            n1 = n0 + BLOCK_N
+            c_il0 = b_il0
+            c_il1 = b_il1
+            c_is0 = b_is0
+            c_is1 = b_is1
+            c_ir = b_ir
+            b_il0 = gl.load(p_idx + n1 + o_lat, mask=n1 + o_lat < n_stop, other=-1)
+            b_il1 = gl.load(p_idx + n1 + HALF + o_lat, mask=n1 + HALF + o_lat < n_stop, other=-1)
+            b_is0 = gl.load(p_idx + n1 + o_sc, mask=n1 + o_sc < n_stop, other=-1)
+            b_is1 = gl.load(p_idx + n1 + HALF + o_sc, mask=n1 + HALF + o_sc < n_stop, other=-1)
+            b_ir = gl.load(p_idx + n1 + o_rp, mask=n1 + o_rp < n_stop, other=-1)
+            # half h of the split goes to buffer h % LAT_STAGES once the tile that used it last, (h -
+            # LAT_STAGES) // 2, is converted (conv_bars: one arrival per tile of partition 0 / 1)
+            h = 2 * j
+            jj = gl.maximum(h - LAT_STAGES, 0) // 2
+            mbarrier.wait(conv_bars.index(jj % 2), (jj // 2) & 1, pred=h >= LAT_STAGES)
+            hs = h % LAT_STAGES
+            _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il0, c_is0, o_lat, o_sc, c_lat, c_sc, n0, n_stop, n_slots,
+                                               lat_smem.index(hs), sc_smem.index(hs), PAGE, stride_page, stride_row)
+            async_copy.mbarrier_arrive(lat_full.index(hs), increment_count=False)
+            h = 2 * j + 1
+            jj = gl.maximum(h - LAT_STAGES, 0) // 2
+            mbarrier.wait(conv_bars.index(jj % 2), (jj // 2) & 1, pred=h >= LAT_STAGES)
+            hs = h % LAT_STAGES
+            _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il1, c_is1, o_lat, o_sc, c_lat, c_sc, n0 + HALF, n_stop,
+                                               n_slots, lat_smem.index(hs), sc_smem.index(hs), PAGE, stride_page,
+                                               stride_row)
+            async_copy.mbarrier_arrive(lat_full.index(hs), increment_count=False)
+            # rope values of the whole tile
+            rs = j % ROPE_STAGES
+            mbarrier.wait(rope_empty.index(rs), ((j // ROPE_STAGES) & 1) ^ 1)
+            o_row, m_n = _sparse_mla_decode_gluon_rows(c_ir, n0 + o_rp, n_stop, n_slots, PAGE, stride_page,
+                                                       stride_row)
+            p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.bfloat16))
+            cp_async(rope_smem.index(rs), gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_n, 1))
+            async_copy.mbarrier_arrive(rope_full.index(rs), increment_count=False)
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_dq(lat, sc, k_smem, G: gl.constexpr, K: gl.constexpr, HALF: gl.constexpr,
+                                         L_DQ: gl.constexpr):
+        """``bf16(e4m3 * scale)`` of latent group ``G`` of one half tile into rows ``[K * HALF, (K + 1) *
+        HALF)`` of that group's key buffer."""
+        b_sg = sc.slice(G, 1, dim=1).load(L_DQ)
+        b_raw = lat.slice(G * 128, 128, dim=1).load(L_DQ)
+        b_kf = b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg
+        k_smem.slice(K * HALF, HALF, dim=0).store(b_kf.to(gl.bfloat16))
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_compute(
+        idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
+        lat_smem, sc_smem, rope_smem, k0_smem, k1_smem, k2_smem, k3_smem, q_smem, qr_smem, p_smem,
+        q_bar, lat_full, conv_bars, rope_full, rope_empty,
+        W: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr, LAT_STAGES: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr,
+    ):
+        """One compute warpgroup of the pair kernel: tiles ``W, W + 2, ...`` of the split, each converted
+        into this warpgroup's key buffers (one per latent group), scored, softmaxed and multiplied
+        into its own running ``O^T``, max and row sums."""
+        BLOCK_N: gl.constexpr = 2 * HALF
+        L_DQ: gl.constexpr = gl.BlockedLayout([1, DQ_VEC], [32 * DQ_VEC // 128, 128 // DQ_VEC], [4, 1], [1, 0])
+        L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
+        L_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
+        L_KEY: gl.constexpr = gl.SliceLayout(1, L_S)
+
+        p_idx = idx_ptr + i_r * stride_idx_row
+        o_nk = gl.arange(0, BLOCK_N, layout=L_KEY)
+        o_n = n_start + W * BLOCK_N + o_nk
+        b_idx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
+        n_my = (n_tiles + 1 - W) // 2
+        b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_S))
+        # per-thread partial row sums, reduced once after the loop
+        b_l2 = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=L_S)
+        b_acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
+        b_acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
+        b_acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
+        b_acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
+        mbarrier.wait(q_bar, 0)
+        for t in range(n_my):
+            j = 2 * t + W
+            m_n = (o_n < n_stop) & (b_idx >= 0) & (b_idx < n_slots)
+            o_n = o_n + 2 * BLOCK_N
+            b_idx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
+            h0 = 2 * j
+            # always 0 (j < 2^30): a loop-dependent buffer index keeps ptxas from holding the address of
+            # every MMA operand in registers across the loop (it spilled them)
+            kz = j >> 30
+            hs0 = h0 % LAT_STAGES
+            hs1 = (h0 + 1) % LAT_STAGES
+            mbarrier.wait(lat_full.index(hs0), (h0 // LAT_STAGES) & 1)
+            # every warp's part of the previous tile's P V is done with the key buffers and P
+            cta_barrier()
+            # bf16(e4m3 * scale) of both halves, four latent groups each
+            for k in gl.static_range(2):
+                if k == 1:
+                    mbarrier.wait(lat_full.index(hs1), ((h0 + 1) // LAT_STAGES) & 1)
+                lat = lat_smem.index(hs1 if k == 1 else hs0)
+                sc = sc_smem.index(hs1 if k == 1 else hs0)
+                _sparse_mla_decode_gluon_pair_dq(lat, sc, k0_smem.index(0), 0, k, HALF, L_DQ)
+                _sparse_mla_decode_gluon_pair_dq(lat, sc, k1_smem.index(0), 1, k, HALF, L_DQ)
+                _sparse_mla_decode_gluon_pair_dq(lat, sc, k2_smem.index(0), 2, k, HALF, L_DQ)
+                _sparse_mla_decode_gluon_pair_dq(lat, sc, k3_smem.index(0), 3, k, HALF, L_DQ)
+            fence_async_shared()
+            cta_barrier()
+            mbarrier.arrive(conv_bars.index(W))
+            rs = j % ROPE_STAGES
+            mbarrier.wait(rope_full.index(rs), (j // ROPE_STAGES) & 1)
+            # S^T [BN, BH]
+            b_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=L_S)
+            b_s = warpgroup_mma(k0_smem.index(kz), q_smem.index(0).permute((1, 0)), b_s, is_async=True)
+            b_s = warpgroup_mma(k1_smem.index(kz), q_smem.index(1).permute((1, 0)), b_s, is_async=True)
+            b_s = warpgroup_mma(k2_smem.index(kz), q_smem.index(2).permute((1, 0)), b_s, is_async=True)
+            b_s = warpgroup_mma(k3_smem.index(kz), q_smem.index(3).permute((1, 0)), b_s, is_async=True)
+            b_s = warpgroup_mma(rope_smem.index(rs), qr_smem.permute((1, 0)), b_s, is_async=True)
+            b_s = warpgroup_mma_wait(0, deps=[b_s])
+
+            b_s = gl.where(gl.expand_dims(m_n, 1), b_s * qk_scale, float("-inf"))
+            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=0))
+            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 0))
+            b_alpha = gl.exp2(b_m - b_m_use)
+            b_l2 = b_l2 * gl.expand_dims(b_alpha, 0) + b_p
+            b_m = b_m_new
+            p_smem.store(b_p.to(gl.bfloat16))
+            fence_async_shared()
+            cta_barrier()
+            # every warp is past the score MMAs: release the rope buffer
+            mbarrier.arrive(rope_empty.index(rs))
+            # O^T [512, BH] += V^T P^T
+            b_a = gl.expand_dims(gl.convert_layout(b_alpha, gl.SliceLayout(0, L_O)), 0)
+            t_acc0 = warpgroup_mma(k0_smem.index(kz).permute((1, 0)), p_smem, b_acc0 * b_a, is_async=True)
+            t_acc1 = warpgroup_mma(k1_smem.index(kz).permute((1, 0)), p_smem, b_acc1 * b_a, is_async=True)
+            t_acc2 = warpgroup_mma(k2_smem.index(kz).permute((1, 0)), p_smem, b_acc2 * b_a, is_async=True)
+            t_acc3 = warpgroup_mma(k3_smem.index(kz).permute((1, 0)), p_smem, b_acc3 * b_a, is_async=True)
+            # waited here: an MMA left in flight across the loop's back edge makes ptxas serialise all
+            # of them (while the other partition has its turn)
+            b_acc0, b_acc1, b_acc2, b_acc3 = warpgroup_mma_wait(0, deps=[t_acc0, t_acc1, t_acc2, t_acc3])
+        return b_acc0, b_acc1, b_acc2, b_acc3, b_m, gl.sum(b_l2, axis=0)
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_worker(
+        idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
+        lat_smem, sc_smem, rope_smem, k0_smem, k1_smem, k2_smem, k3_smem, q_smem, qr_smem, p_smem, ml_smem,
+        q_bar, lat_full, conv_bars, rope_full, rope_empty, merge_bar,
+        W: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr, LAT_STAGES: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr,
+    ):
+        """A compute partition: its tiles, then its ``O^T`` (over its own key buffers, which no one reads
+        any more), running max and sum into shared memory for the merge."""
+        b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l = _sparse_mla_decode_gluon_pair_compute(
+            idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
+            lat_smem, sc_smem, rope_smem, k0_smem, k1_smem, k2_smem, k3_smem, q_smem, qr_smem, p_smem,
+            q_bar, lat_full, conv_bars, rope_full, rope_empty,
+            W, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, DQ_VEC)
+        cta_barrier()
+        _sparse_mla_decode_gluon_o_view(k0_smem.index(0), BLOCK_H).store(b_acc0)
+        _sparse_mla_decode_gluon_o_view(k1_smem.index(0), BLOCK_H).store(b_acc1)
+        _sparse_mla_decode_gluon_o_view(k2_smem.index(0), BLOCK_H).store(b_acc2)
+        _sparse_mla_decode_gluon_o_view(k3_smem.index(0), BLOCK_H).store(b_acc3)
+        ml_smem.index(2 * W).store(b_m)
+        ml_smem.index(2 * W + 1).store(b_l)
+        cta_barrier()
+        mbarrier.arrive(merge_bar)
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_merge(ka, kb, ml_smem, merge_bar, BLOCK_H: gl.constexpr, L_S: gl.constexpr):
+        """Both compute partitions' states combined: one ``O^T`` block (over the key buffers ``ka`` /
+        ``kb`` of the two partitions), the max and the sum."""
+        mbarrier.wait(merge_bar, 0)
+        b_m0 = ml_smem.index(0).load(gl.SliceLayout(0, L_S))
+        b_l0 = ml_smem.index(1).load(gl.SliceLayout(0, L_S))
+        b_m1 = ml_smem.index(2).load(gl.SliceLayout(0, L_S))
+        b_l1 = ml_smem.index(3).load(gl.SliceLayout(0, L_S))
+        b_m = gl.maximum(b_m0, b_m1)
+        b_mu = gl.where(b_m == float("-inf"), 0.0, b_m)
+        b_a0 = gl.exp2(b_m0 - b_mu)
+        b_a1 = gl.exp2(b_m1 - b_mu)
+        b_l = b_l0 * b_a0 + b_l1 * b_a1
+        b_a0 = gl.expand_dims(b_a0, 0)
+        b_a1 = gl.expand_dims(b_a1, 0)
+        b_acc = (_sparse_mla_decode_gluon_o_view(ka.index(0), BLOCK_H).load(L_S) * b_a0
+                 + _sparse_mla_decode_gluon_o_view(kb.index(0), BLOCK_H).load(L_S) * b_a1)
+        return b_acc, b_m, b_l
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_kernel(
+        q_ptr, kv_ptr, idx_ptr, sink_ptr, topk_len_ptr,
+        out_ptr, lse_ptr,
+        qk_scale,
+        h_q, topk, n_slots, keys_per_split, rows_per_batch,
+        stride_q_row, stride_q_head, stride_idx_row,
+        stride_page, stride_row,
+        stride_ob, stride_or, stride_os, stride_oh,
+        stride_lb, stride_lr, stride_ls, stride_lh,
+        PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, LAT_STAGES: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
+        HAS_TOPK_LEN: gl.constexpr, COMPUTE_REGS: gl.constexpr,
+    ):
+        HALF: gl.constexpr = BLOCK_N // 2
+        L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
+        L_OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        ML_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], gl.bfloat16)
+        KR_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.bfloat16)
+        Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 128], gl.bfloat16)
+        QR_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 64], gl.bfloat16)
+        P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.bfloat16)
+
+        i_h = gl.program_id(0)
+        i_r = gl.program_id(1).to(gl.int64)
+        i_s = gl.program_id(2)
+        i_b = i_r // rows_per_batch
+        i_q = i_r % rows_per_batch
+
+        # ---- shared memory
+        lat_smem = gl.allocate_shared_memory(gl.uint8, [LAT_STAGES, HALF, 512], RAW)
+        sc_smem = gl.allocate_shared_memory(gl.float32, [LAT_STAGES, HALF, 4], RAW)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [ROPE_STAGES, BLOCK_N, 64], KR_SL)
+        # one key buffer per latent group and compute partition (stores into different buffers need no
+        # barrier between them)
+        ka0 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 128], K_SL)
+        ka1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 128], K_SL)
+        ka2 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 128], K_SL)
+        ka3 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 128], K_SL)
+        kb0 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 128], K_SL)
+        kb1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 128], K_SL)
+        kb2 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 128], K_SL)
+        kb3 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 128], K_SL)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], Q_SL)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], QR_SL)
+        p_smem0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], P_SL)
+        p_smem1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], P_SL)
+        ml_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H], ML_SL)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        merge_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        lat_full = gl.allocate_shared_memory(gl.int64, [LAT_STAGES, 1], mbarrier.MBarrierLayout())
+        conv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        rope_full = gl.allocate_shared_memory(gl.int64, [ROPE_STAGES, 1], mbarrier.MBarrierLayout())
+        rope_empty = gl.allocate_shared_memory(gl.int64, [ROPE_STAGES, 1], mbarrier.MBarrierLayout())
+        # copies: one arrival per loader thread; releases: one per tile; merge: one per compute partition
+        mbarrier.init(q_bar, count=4 * 32)
+        mbarrier.init(merge_bar, count=2)
+        for s in gl.static_range(LAT_STAGES):
+            mbarrier.init(lat_full.index(s), count=4 * 32)
+        for s in gl.static_range(2):
+            mbarrier.init(conv_bars.index(s), count=1)
+        for s in gl.static_range(ROPE_STAGES):
+            mbarrier.init(rope_full.index(s), count=4 * 32)
+            mbarrier.init(rope_empty.index(s), count=1)
+        fence_async_shared()
+
+        # ---- key range of this split
+        n_end = topk
+        if HAS_TOPK_LEN:
+            n_end = gl.minimum(gl.maximum(gl.load(topk_len_ptr + i_b), 0), topk)
+        n_start = i_s * keys_per_split
+        n_stop = gl.minimum(n_start + keys_per_split, n_end)
+        n_tiles = gl.cdiv(gl.maximum(n_stop - n_start, 0), BLOCK_N)
+
+        gl.warp_specialize([
+            (_sparse_mla_decode_gluon_pair_loader, (
+                q_ptr, kv_ptr, idx_ptr, i_r, i_h, h_q, n_start, n_stop, n_tiles, n_slots,
+                stride_q_row, stride_q_head, stride_idx_row, stride_page, stride_row,
+                q_smem, qr_smem, lat_smem, sc_smem, rope_smem, q_bar, lat_full, conv_bars, rope_full,
+                rope_empty, PAGE, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, 4)),
+            (_sparse_mla_decode_gluon_pair_worker, (
+                idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
+                lat_smem, sc_smem, rope_smem, ka0, ka1, ka2, ka3, q_smem, qr_smem, p_smem0, ml_smem,
+                q_bar, lat_full, conv_bars, rope_full, rope_empty, merge_bar,
+                0, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, DQ_VEC)),
+            (_sparse_mla_decode_gluon_pair_worker, (
+                idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
+                lat_smem, sc_smem, rope_smem, kb0, kb1, kb2, kb3, q_smem, qr_smem, p_smem1, ml_smem,
+                q_bar, lat_full, conv_bars, rope_full, rope_empty, merge_bar,
+                1, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, DQ_VEC)),
+        ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+        b_acc0, b_m, b_l = _sparse_mla_decode_gluon_pair_merge(ka0, kb0, ml_smem, merge_bar, BLOCK_H, L_S)
+        b_acc1, b_m, b_l = _sparse_mla_decode_gluon_pair_merge(ka1, kb1, ml_smem, merge_bar, BLOCK_H, L_S)
+        b_acc2, b_m, b_l = _sparse_mla_decode_gluon_pair_merge(ka2, kb2, ml_smem, merge_bar, BLOCK_H, L_S)
+        b_acc3, b_m, b_l = _sparse_mla_decode_gluon_pair_merge(ka3, kb3, ml_smem, merge_bar, BLOCK_H, L_S)
+
+        _sparse_mla_decode_gluon_epilogue(
+            b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l, sink_ptr, out_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q,
+            stride_ob, stride_or, stride_os, stride_oh, stride_lb, stride_lr, stride_ls, stride_lh,
+            BLOCK_H, SPLIT, HAS_SINK, L_S, L_OUT)
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_epilogue(
+        b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l, sink_ptr, out_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q,
+        stride_ob, stride_or, stride_os, stride_oh, stride_lb, stride_lr, stride_ls, stride_lh,
+        BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, L_S: gl.constexpr,
+        L_OUT: gl.constexpr,
+    ):
+        """Normalise ``O^T`` and write ``out`` / ``lse`` (or the split's partials)."""
+        m_empty = b_l == 0.0
+        b_inv = 1.0 / gl.where(m_empty, 1.0, b_l)
+        b_lse2 = gl.where(m_empty, float("-inf"), b_m + gl.log2(gl.where(m_empty, 1.0, b_l)))
+        o_hl = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, L_S))
+        m_hl = o_hl < h_q
+        o_lh = i_b * stride_lb + i_q * stride_lr + i_s * stride_ls + o_hl.to(gl.int64) * stride_lh
+        if SPLIT:
+            gl.store(lse_ptr + o_lh, b_lse2, mask=m_hl)
+        else:
+            b_lse = gl.where(m_empty, float("inf"), b_lse2 * 0.6931471805599453)
+            if HAS_SINK:
+                b_sink = gl.load(sink_ptr + o_hl, mask=m_hl, other=0.0)
+                b_inv = b_inv / (1.0 + gl.exp(b_sink - gl.where(m_empty, 0.0, b_lse)))
+            gl.store(lse_ptr + o_lh, b_lse, mask=m_hl)
+        b_inv_o = gl.expand_dims(gl.convert_layout(b_inv, gl.SliceLayout(0, L_OUT)), 0)
+        o_ho = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, L_OUT))
+        m_ho = gl.expand_dims(o_ho < h_q, 0)
+        o_d = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(1, L_OUT)), 1)
+        p_out = (out_ptr + i_b * stride_ob + i_q * stride_or + i_s * stride_os
+                 + gl.expand_dims(o_ho.to(gl.int64) * stride_oh, 0) + o_d)
+        _sparse_mla_decode_gluon_store(p_out, b_acc0, b_inv_o, m_ho, SPLIT, L_OUT)
+        _sparse_mla_decode_gluon_store(p_out + 128, b_acc1, b_inv_o, m_ho, SPLIT, L_OUT)
+        _sparse_mla_decode_gluon_store(p_out + 256, b_acc2, b_inv_o, m_ho, SPLIT, L_OUT)
+        _sparse_mla_decode_gluon_store(p_out + 384, b_acc3, b_inv_o, m_ho, SPLIT, L_OUT)
+
 
 def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int,
                            arch: int | None) -> bool:
@@ -382,12 +806,15 @@ def sparse_mla_decode_gluon(
     block_n: int | None = None,
     stages: int | None = None,
     num_splits: int | None = None,
+    pair: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gluon :func:`nsa_backend.sparse_mla_decode` for the "fp8_ds_mla" cache on sm_90.
 
     Same parameters and results as ``sparse_mla_decode_triton``; the inputs must pass
     :func:`gluon_decode_supported`. ``block_h``, ``block_n``, ``stages`` and ``num_splits`` override
-    the plan of :func:`decode_gluon_plan`.
+    the plan of :func:`decode_gluon_plan`; ``pair`` forces (``True``, 16-head blocks only) or avoids
+    the pair kernel, which by default takes 16-head blocks from ``PAIR_MIN_ROWS`` programs per split
+    on when no ``stages`` are given.
     """
     from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS
     from nsa_backend.kernels._arch import device_sms
@@ -409,16 +836,25 @@ def sparse_mla_decode_gluon(
     bh, bn, st, splits, per = decode_gluon_plan(B, s_q, h_q, topk, device_sms(dev, 8), block_h, block_n,
                                                 stages, num_splits)
     head_blocks = triton.cdiv(h_q, bh)
-    common = dict(
-        PAGE=page, BLOCK_H=bh, BLOCK_N=bn, STAGES=st, HAS_SINK=attn_sink is not None,
-        HAS_TOPK_LEN=topk_length is not None, NUM_WARPS=GLUON_DECODE_NUM_WARPS, LOADER_WARPS=LOADER_WARPS,
-        LOADER_REGS=LOADER_REGS,
-        num_warps=GLUON_DECODE_NUM_WARPS,
-    )
+    if pair is None:
+        pair = PAIR and stages is None and R * head_blocks >= PAIR_MIN_ROWS
+    if pair and (bh, bn) == (16, 64):
+        kernel = _sparse_mla_decode_gluon_pair_kernel
+        common = dict(
+            PAGE=page, BLOCK_H=bh, BLOCK_N=bn, **PAIR_OPTIONS,
+            HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None, num_warps=4,
+        )
+    else:
+        kernel = _sparse_mla_decode_gluon_kernel
+        common = dict(
+            PAGE=page, BLOCK_H=bh, BLOCK_N=bn, STAGES=st, HAS_SINK=attn_sink is not None,
+            HAS_TOPK_LEN=topk_length is not None, NUM_WARPS=GLUON_DECODE_NUM_WARPS,
+            LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=GLUON_DECODE_NUM_WARPS,
+        )
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), kv_cache.stride(1))
     if splits == 1:
-        _sparse_mla_decode_gluon_kernel[(head_blocks, R, 1)](
+        kernel[(head_blocks, R, 1)](
             q, kv_cache, idx, attn_sink, topk_length, out, lse, *args,
             out.stride(0), out.stride(1), 0, out.stride(2),
             lse.stride(0), lse.stride(2), 0, lse.stride(1),
@@ -427,7 +863,7 @@ def sparse_mla_decode_gluon(
         return out, lse
     part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
     part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
-    _sparse_mla_decode_gluon_kernel[(head_blocks, R, splits)](
+    kernel[(head_blocks, R, splits)](
         q, kv_cache, idx, None, topk_length, part_o, part_lse, *args,
         s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
