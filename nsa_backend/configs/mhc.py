@@ -5,8 +5,8 @@ so the tables below aim at bytes in flight, not at tensor-core shapes. Two paths
 
 - stacked parts (:func:`uses_b_parts`): ``b`` is split once per call into its bf16 parts
   (``PARTS_PRECISION``: two for ``bf16x2``, three for ``bf16x3``), which the GEMM loop multiplies as
-  one tile of ``2 * block_n`` (``4 * block_n``) rows; one program per SM with a deep pipeline
-  (``PARTS_CONFIGS``, ``PARTS_PROGRAMS_PER_SM``), kernels chained by programmatic dependent launch on
+  one tile of ``2 * block_n`` (``4 * block_n``) rows; one or two programs per SM with deep pipelines
+  (``PARTS_ROUTES``, by ``M``), kernels chained by programmatic dependent launch on
   ``PDL_ARCHS``. Used where it was measured: the H200 (sm_90), ``block_n == PARTS_BLOCK_N`` (N in
   17..32, DeepSeek-V4's N = 24) and ``M`` above the small-M tiles.
 - otherwise ``b`` is read as fp32 and split inside the loop: ``GEMM_CONFIGS[block_n]`` lists
@@ -50,13 +50,11 @@ DEFAULT_PRECISION = "bf16x3"
 PRECISIONS: tuple[str, ...] = ("tf32", "bf16x3", "bf16x2")
 
 # Stacked-parts path (H200 sweeps in bench/results/h200/tuning/mhc.parts.md): a small kernel splits b into
-# [P, N, K] bf16 (SPLIT_B_BLOCK values per program); the GEMM program (8 warps, 6 stages, 128 KiB of
-# shared memory for bf16x2, 176 KiB for bf16x3: one per SM) multiplies the a tile with the stacked parts,
-# keeps the square sums 2-D and reduces them once after the loop; K chunks are planned for
-# PARTS_PROGRAMS_PER_SM programs per SM.
+# [P, N, K] bf16 (SPLIT_B_BLOCK values per program); the GEMM program (tile and programs per SM by M:
+# PARTS_ROUTES) multiplies the a tile with the stacked parts, keeps the square sums 2-D and reduces them
+# once after the loop; K chunks are planned for the route's programs per SM.
 PARTS_ARCHS: tuple[int, ...] = (90,)
 PARTS_BLOCK_N = 32
-PARTS_PROGRAMS_PER_SM = 1
 # Precision of the stacked-parts path: "bf16x3" (three parts, about fp32) or "bf16x2" (b ~ hi + lo,
 # 16 significant bits of b, still 32x finer than TF32's rounding; half the stacked tile and MMA work).
 # H200, N = 24, K = 28672, graph: bf16x2 read a at 0.50 / 0.64 / 0.77 / 0.85 / 0.93 of the copy rate
@@ -71,6 +69,11 @@ PARTS_PRECISION = "bf16x2"
 # overwritten a tile that SYNC_MMA removes (those tiles are exact with it, PDL on or off).
 PDL_ARCHS: tuple[int, ...] = (90,)
 PDL_MIN_TRITON: tuple[int, int] = (3, 6)
+# With PDL: the GEMM programs let the chunk-sum kernel start once they have all finished their loops (True)
+# or as soon as they start (False: its programs then wait on the SMs during the whole GEMM). H200, graph,
+# routed tiles, M = 1024 / 2048 / 4096 / 8192 / 16384: 0.53 / 0.68 / 0.83 / 0.94 / 1.01 of the copy rate
+# against 0.51 / 0.68 / 0.82 / 0.93 / 1.01 (same run, sweep K).
+LATE_DEPENDENTS = True
 # The stacked-parts GEMM reads each pipelined a tile twice: the tensor-core product (asynchronous on
 # sm_90) and the square sums (registers). Triton 3.6 gives that tile one shared-memory buffer fewer
 # than the b tile (5 against 6 with 6 stages), so with the product left in flight over one step the
@@ -87,6 +90,9 @@ SPLIT_B_NUM_WARPS = 4
 # count rounded up to a power of two (at most REDUCE_MAX_BLOCK_J), block_j * block = REDUCE_TILE.
 REDUCE_TILE = 4096
 REDUCE_MAX_BLOCK_J = 64
+# REDUCE_TILE by block_j where another size was measured faster: H200, M = 2048 (8 chunks, the routed tile,
+# LATE_DEPENDENTS), graph: 8192 values 40.0 us against 40.5 us for 4096 and 16384 (sweep L).
+REDUCE_TILE_BY_BLOCK_J: dict[int, int] = {8: 8192}
 REDUCE_NUM_WARPS = 4
 
 # Share of the budget the estimate may use (the compiler adds scratch for layout conversions).
@@ -115,15 +121,24 @@ GEMM_CONFIGS: dict[int, tuple[GemmConfig, ...]] = {
     64: (GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3)),
     128: (GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 4, 3), GemmConfig(64, 64, 4, 2)),
 }
-# Stacked parts, bf16x2 with PDL and SYNC_MMA, H200 (triton 3.6), graph, M = 1024 / 2048 / 4096 / 8192 / 16384,
-# of the copy rate: (128, 64, 8, 6) 0.51 / 0.68 / 0.82 / 0.91 / 0.98. Also measured, not shipped:
-# (64, 128, 4, 3) at 2 programs per SM 0.51 / 0.68 / 0.82 / 0.91 / 0.97 (wrong sums without SYNC_MMA),
-# (64, 64, 4, 6) at 2 per SM 0.51 / 0.66 / 0.80 / 0.89 / 0.96, 8 stages and (128, 128, 8, 4) (same within noise
-# before); the K chunks added inside the GEMM launch by the last program of each row tile (arrival tickets)
-# and b split by the GEMM programs themselves (no split kernel): no gain (0.62-0.63 at M = 2048 with either
-# or both); TF32 with a converted in registers (no split of b): 0.25-0.31; the parts made in registers
-# (d^T = parts @ a^T, no split kernel): 0.39-0.68 (0.44-0.86 with 256-row tiles).
-PARTS_CONFIGS: tuple[GemmConfig, ...] = (GemmConfig(128, 64, 8, 6),)
+# Stacked parts, bf16x2 with PDL and SYNC_MMA: (max_m, tile, programs per SM), the first row with
+# M <= max_m. H200 (triton 3.6), graph, N = 24, K = 28672, of the copy rate at M = 1024 / 2048 / 3072 / 4096 /
+# 8192 / 16384 (sweeps H-J, chunk sums started early): (128, 64, 8, 6), 1 per SM: 0.51-0.52 / 0.67-0.68 / 0.72 /
+# 0.82 / 0.90-0.91 / 0.95-0.97; (64, 128, 4, 3), 2 per SM: 0.51 / 0.68-0.69 / 0.72 / 0.82 / 0.91-0.92 / 0.97;
+# (128, 128, 8, 4), 1 per SM: 0.50 / 0.67-0.68 / 0.69 / 0.83 / 0.93 / 0.99-1.00. Also measured, not shipped:
+# (64, 64, 4, 6) at 2 per SM 0.51 / 0.66 / - / 0.80 / 0.89 / 0.96, 7 and 8 stages, 256-row tiles (0.62-0.64 at
+# M = 2048), BLOCK_K = 256 tiles (0.48-0.62 at M = 2048), (128, 128, 8, 5), (64, 128, 4, 4) at 2 per SM (0.66 at
+# M = 2048); the K chunks added inside the GEMM launch by the last program of each row tile (arrival tickets) and
+# b split by the GEMM programs themselves (no split kernel): no gain (0.62-0.63 at M = 2048 with either or
+# both); the chunk-sum programs waiting on per-tile arrival counters instead of the GEMM kernel (0.66-0.67); a
+# prefetched into L2 while b is split: slower at every M <= 8192; TF32 with a converted in registers (no split
+# of b): 0.25-0.31; the parts made in registers (d^T = parts @ a^T, no split kernel): 0.39-0.68 (0.44-0.86 with
+# 256-row tiles).
+PARTS_ROUTES: tuple[tuple[int, GemmConfig, int], ...] = (
+    (1024, GemmConfig(128, 64, 8, 6), 1),
+    (3072, GemmConfig(64, 128, 4, 3), 2),
+    (1 << 62, GemmConfig(128, 128, 8, 4), 1),
+)
 
 
 def block_n_for(n: int) -> int:
@@ -132,6 +147,11 @@ def block_n_for(n: int) -> int:
         if n <= bn:
             return bn
     raise ValueError(f"n: expected at most {BLOCK_N_BUCKETS[-1]}, got {n}")
+
+
+def parts_route(m: int) -> tuple[GemmConfig, int]:
+    """``(tile, programs per SM)`` of the stacked-parts path for ``m`` rows (:data:`PARTS_ROUTES`)."""
+    return next(((cfg, per_sm) for max_m, cfg, per_sm in PARTS_ROUTES if m <= max_m), PARTS_ROUTES[-1][1:])
 
 
 def uses_b_parts(block_n: int, m: int, arch: int | None, precision: str = DEFAULT_PRECISION) -> bool:
@@ -144,7 +164,7 @@ def gemm_config(n: int, m: int, arch: int | None, precision: str = DEFAULT_PRECI
     """``(block_n, config)`` for ``n`` columns and ``m`` rows on ``sm_<arch>``."""
     block_n = block_n_for(n)
     if uses_b_parts(block_n, m, arch, precision):
-        return block_n, first_fitting(PARTS_CONFIGS, arch, SHARED_MEMORY_MARGIN,
+        return block_n, first_fitting((parts_route(m)[0],), arch, SHARED_MEMORY_MARGIN,
                                       lambda c: c.shared_bytes_estimate(block_n, True, PARTS_PRECISION))
     cfg = first_fitting(GEMM_CONFIGS[block_n], arch, SHARED_MEMORY_MARGIN,
                         lambda c: c.shared_bytes_estimate(block_n))
@@ -158,7 +178,7 @@ def gemm_config(n: int, m: int, arch: int | None, precision: str = DEFAULT_PRECI
 def reduce_blocks(num_chunks: int) -> tuple[int, int]:
     """``(block_j, block)`` of the reduction kernel for ``num_chunks`` partial sums per split."""
     block_j = min(REDUCE_MAX_BLOCK_J, 1 << max(0, (num_chunks - 1).bit_length()))
-    return block_j, max(64, REDUCE_TILE // block_j)
+    return block_j, max(64, REDUCE_TILE_BY_BLOCK_J.get(block_j, REDUCE_TILE) // block_j)
 
 
 def shipped_reduce_blocks() -> list[tuple[int, int]]:
@@ -170,7 +190,7 @@ def shipped_configs(arch: int) -> list[tuple[int, GemmConfig, bool]]:
     """Every ``(block_n, config, b_parts)`` :func:`gemm_config` can return on ``sm_<arch>``."""
     out: list[tuple[int, GemmConfig, bool]] = []
     for block_n in BLOCK_N_BUCKETS:
-        for m in (*SMALL_BLOCK_M, 1 << 30):
+        for m in (*SMALL_BLOCK_M, *(max_m for max_m, _, _ in PARTS_ROUTES[:-1]), 1 << 30):
             item = (*gemm_config(block_n, m, arch), uses_b_parts(block_n, m, arch))
             if item not in out:
                 out.append(item)

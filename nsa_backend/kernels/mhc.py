@@ -26,14 +26,17 @@ Two ways to multiply with the fp32 ``b``, chosen by ``nsa_backend.configs.mhc.us
   also read, one buffer fewer than the depth at which an in-flight product would be safe, so
   leaving the product in flight let the next load overwrite its ``a`` tile (wrong, run-to-run
   different sums in every variant where ptxas did not serialize the products itself; same speed
-  where it did, as for the shipped tile). On the archs in ``PDL_ARCHS`` (sm_90, Triton >= 3.6) the
-  GEMM and reduction kernels use programmatic dependent launch: each starts while the kernel before
-  it runs and waits for it (``griddepcontrol``) before reading its output. H200 (N = 24,
-  K = 28672, CUDA graph): ``a`` read at 0.51 / 0.68 / 0.82 / 0.91 / 0.98 of the copy rate at
-  M = 1024 / 2048 / 4096 / 8192 / 16384 (a pure read of ``a``: 0.59 / 0.83 / 0.91 / 0.98 / 1.04); at
-  M = 2048 the split and chunk-sum kernels take 2.4 and 3.0 us of the ~41 us. Sweeps, including
-  the chunk sums and the split of ``b`` folded into the GEMM launch (no faster) and TF32 without
-  parts (2-3x slower): ``bench/results/h200/tuning/mhc.parts.md``.
+  where it did, as for the shipped tile). The tile and the programs per SM follow ``M``
+  (``PARTS_ROUTES``). On the archs in ``PDL_ARCHS`` (sm_90, Triton >= 3.6) the GEMM and reduction
+  kernels use programmatic dependent launch: the GEMM starts while the split kernel runs, the
+  reduction once every GEMM program has finished its loop (``LATE_DEPENDENTS``), and each waits for
+  the kernel before it (``griddepcontrol``) before reading its output. H200 (N = 24, K = 28672, CUDA
+  graph): ``a`` read at 0.52-0.53 / 0.68 / 0.81-0.83 / 0.92-0.94 / 0.96-1.01 of the copy rate at
+  M = 1024 / 2048 / 4096 / 8192 / 16384 (a pure read of ``a``: 0.59-0.60 / 0.82-0.83 / 0.90-0.92 /
+  0.96-0.98 / 1.02-1.04); at M = 2048 the split and chunk-sum kernels take about 2.4 and 2.9 us of
+  the ~40 us. Sweeps, including the chunk sums and the split of ``b`` folded into the GEMM launch,
+  chunk sums waiting on arrival counters and ``a`` prefetched into L2 during the split (none faster)
+  and TF32 without parts (2-3x slower): ``bench/results/h200/tuning/mhc.parts.md``.
 - in-loop split: every step splits the fp32 ``b`` tile into the three parts in registers and runs
   three MMAs (the path for other archs, other N tiles, small M and the ``tf32`` precision).
 """
@@ -88,6 +91,7 @@ def _mhc_prenorm_gemm_kernel(
     B_PARTS: tl.constexpr,
     SQ_2D: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LATE_DEPENDENTS: tl.constexpr,
     EVEN_K: tl.constexpr,
     PARTS_TILE: tl.constexpr,
     BF16_DOT_AS_FP32: tl.constexpr,
@@ -96,9 +100,12 @@ def _mhc_prenorm_gemm_kernel(
     # a: [M, K] bf16. b: [N, K] fp32, or with B_PARTS its bf16 parts [P, N, K] (b = hi + mid + lo for
     # bf16x3, hi + lo for bf16x2). d: slot i_t at d_ptr + i_t * stride_dt, [M, N] fp32; sq: slot i_t at
     # sq_ptr + i_t * stride_st, [M] fp32. USE_PDL (programmatic dependent launch, sm_90+): the next
-    # kernel may start its programs now; b (the parts) is read after the split kernel completed.
+    # kernel may start its programs now (LATE_DEPENDENTS: once every program has finished its loop, so
+    # that the waiting programs of the next kernel do not share the SMs during the loop); b (the parts)
+    # is read after the split kernel completed.
     if USE_PDL:
-        gdc_launch_dependents()
+        if not LATE_DEPENDENTS:
+            gdc_launch_dependents()
         gdc_wait()
     i_m, i_t = tl.program_id(0), tl.program_id(1)
     i_s = i_t // NUM_CHUNKS
@@ -184,6 +191,8 @@ def _mhc_prenorm_gemm_kernel(
                     b_acc = tl.dot(b_a, tl.trans(b_lo), b_acc)
                     b_acc = tl.dot(b_a, tl.trans(b_mid), b_acc)
                     b_acc = tl.dot(b_a, tl.trans(b_hi), b_acc)
+    if USE_PDL and LATE_DEPENDENTS:
+        gdc_launch_dependents()
     if B_PARTS:
         # [BLOCK_M, PARTS_TILE, BLOCK_N] -> sum of the parts (and the zero part)
         b_acc = tl.sum(tl.reshape(b_accp, [BLOCK_M, PARTS_TILE, BLOCK_N]), axis=1)
@@ -314,7 +323,7 @@ def _plan(m: int, n: int, k: int, num_splits: int, device_index: int | None
     arch, sms = _arch_and_sms(device)
     block_n, config = cfgs.gemm_config(n, m, arch)
     b_parts = cfgs.uses_b_parts(block_n, m, arch)
-    per_sm = cfgs.PARTS_PROGRAMS_PER_SM if b_parts else cfgs.PROGRAMS_PER_SM
+    per_sm = cfgs.parts_route(m)[1] if b_parts else cfgs.PROGRAMS_PER_SM
     return block_n, config, split_plan(m, n, k, num_splits, config.block_m, config.block_k, sms, per_sm), b_parts
 
 
@@ -387,7 +396,8 @@ def _launch(
     _mhc_prenorm_gemm_kernel[grid](
         a, b_in, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, PRECISION=precision, B_PARTS=b_parts,
-        SQ_2D=b_parts, USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        SQ_2D=b_parts, USE_PDL=pdl, LATE_DEPENDENTS=cfgs.LATE_DEPENDENTS, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl,
     )
     if num_chunks > 1:
         block_j, block = cfgs.reduce_blocks(num_chunks)
@@ -461,7 +471,7 @@ _GEMM_SIGNATURE: dict[str, str] = {
     "a_ptr": "*bf16", "b_ptr": "*fp32", "d_ptr": "*fp32", "sq_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
     "SPLIT_K": "i32", "CHUNK_K": "i32", "NUM_CHUNKS": "i32", "stride_dt": "i32", "stride_st": "i32",
     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
-    "B_PARTS": "constexpr", "SQ_2D": "constexpr", "USE_PDL": "constexpr",
+    "B_PARTS": "constexpr", "SQ_2D": "constexpr", "USE_PDL": "constexpr", "LATE_DEPENDENTS": "constexpr",
     "EVEN_K": "constexpr", "PARTS_TILE": "constexpr", "BF16_DOT_AS_FP32": "constexpr", "SYNC_MMA": "constexpr",
 }
 _SPLIT_B_SIGNATURE: dict[str, str] = {
@@ -496,6 +506,7 @@ def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: b
     signature = dict(_GEMM_SIGNATURE, b_ptr="*bf16" if b_parts else "*fp32")
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": block_n, "BLOCK_K": cfg.block_k, "PRECISION": precision,
                   "B_PARTS": b_parts, "SQ_2D": b_parts, "USE_PDL": pdl and b_parts,
+                  "LATE_DEPENDENTS": cfgs.LATE_DEPENDENTS,
                   "EVEN_K": cfg.block_k == 64, "PARTS_TILE": _parts_tile(precision),
                   "BF16_DOT_AS_FP32": False, "SYNC_MMA": cfgs.SYNC_MMA}
     return signature, constexprs

@@ -205,7 +205,8 @@ def test_config_choice_fits_estimate(arch):
             block_n, cfg = cfgs.gemm_config(n, m, arch)
             assert block_n >= n and cfg.block_m >= min(m, 16)
             b_parts = cfgs.uses_b_parts(block_n, m, arch)
-            assert cfg.shared_bytes_estimate(block_n, b_parts) <= SHARED_MEMORY_LIMIT[arch]
+            precision = cfgs.PARTS_PRECISION if b_parts else cfgs.DEFAULT_PRECISION
+            assert cfg.shared_bytes_estimate(block_n, b_parts, precision) <= SHARED_MEMORY_LIMIT[arch]
 
 
 _AOT_SCRIPT = """
@@ -226,7 +227,7 @@ from nsa_backend.configs import mhc as cfgs
 from nsa_backend.kernels import mhc
 rows = []
 for arch in (90, 100):
-    cfg = cfgs.PARTS_CONFIGS[0]
+    cfg = cfgs.PARTS_ROUTES[0][1]
     for precision in ("bf16x3", "bf16x2"):
         sig, cx = mhc._gemm_variant(cfgs.PARTS_BLOCK_N, cfg, precision, True, pdl=True)
         c = mhc._compile(mhc._mhc_prenorm_gemm_kernel.fn, sig, mhc._GEMM_DIVISIBLE, cx, arch, cfg.num_warps,
@@ -250,9 +251,10 @@ from triton.compiler import ASTSource
 from nsa_backend.configs import mhc as cfgs
 from nsa_backend.kernels import mhc
 rows = []
-for arch in cfgs.PARTS_ARCHS:
-    cfg = cfgs.PARTS_CONFIGS[0]
+for arch, (_, cfg, _), even_k in [(arch, route, even_k) for arch in cfgs.PARTS_ARCHS
+                                  for route in cfgs.PARTS_ROUTES for even_k in (False, True)]:
     sig, cx = mhc._gemm_variant(cfgs.PARTS_BLOCK_N, cfg, cfgs.PARTS_PRECISION, True, mhc._pdl_enabled(arch))
+    cx["EVEN_K"] = even_k
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in mhc._GEMM_DIVISIBLE}
     src = ASTSource(fn=mhc._mhc_prenorm_gemm_kernel.fn, signature=sig, constexprs=cx, attrs=attrs)
@@ -264,9 +266,10 @@ print(json.dumps(rows))
 
 
 def test_aot_parts_product_waited_in_its_step():
-    """The stacked-parts GEMM as shipped for sm_90 keeps no tensor-core product in flight across a
-    step (every wait on it has no pending product): the next step's loads may reuse the a buffer it
-    reads (see ``SYNC_MMA`` in ``nsa_backend.configs.mhc``)."""
+    """The stacked-parts GEMM as shipped for sm_90 (every tile of ``PARTS_ROUTES``, with and without
+    masked K tails) keeps no tensor-core product in flight across a step (every wait on it has no
+    pending product): the next step's loads may reuse the a buffer it reads (see ``SYNC_MMA`` in
+    ``nsa_backend.configs.mhc``)."""
     rows = run_aot_script(_AOT_SYNC_SCRIPT, timeout=600)
     assert rows and all(pendings and not any(pendings) for _, pendings in rows), rows
 
@@ -324,7 +327,7 @@ def test_gpu_precision_error(precision):
     arch, sms = kern._arch_and_sms(a.device)
     block_n, cfg = cfgs.gemm_config(n, m, arch, precision)
     b_parts = cfgs.uses_b_parts(block_n, m, arch, precision)
-    per_sm = cfgs.PARTS_PROGRAMS_PER_SM if b_parts else cfgs.PROGRAMS_PER_SM
+    per_sm = cfgs.parts_route(m)[1] if b_parts else cfgs.PROGRAMS_PER_SM
     plan = kern.split_plan(m, n, k, 1, cfg.block_m, cfg.block_k, sms, per_sm)
     if b_parts:  # the precision the stacked-parts path runs
         precision = cfgs.PARTS_PRECISION
@@ -348,7 +351,9 @@ def test_gpu_deterministic():
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("m,n,k,splits", [(1024, 24, 28672, None), (999, 24, 7168, None), (4096, 32, 28672, 4),
-                                          (16384, 24, 28672, None), (65, 24, 28672, 16), (3001, 24, 7168, 1)])
+                                          (16384, 24, 28672, None), (65, 24, 28672, 16), (3001, 24, 7168, 1),
+                                          (2048, 24, 28672, None), (1500, 32, 7168, 5), (1025, 24, 28672, 16),
+                                          (3500, 24, 7168, 5)])
 def test_gpu_b_parts_path(m, n, k, splits, pdl):
     """The stacked-parts path with its shipped tile, precision and K plan, launched plainly and
     with programmatic dependent launch (sm_90+), eagerly and as a CUDA graph (compared and repeated)."""
@@ -360,8 +365,8 @@ def test_gpu_b_parts_path(m, n, k, splits, pdl):
     if arch not in cfgs.PARTS_ARCHS:
         pytest.skip(f"the stacked-parts path is routed on sm_{cfgs.PARTS_ARCHS}, not sm_{arch}")
     s = 1 if splits is None else splits
-    cfg = cfgs.PARTS_CONFIGS[0]
-    plan = kern.split_plan(m, n, k, s, cfg.block_m, cfg.block_k, sms, cfgs.PARTS_PROGRAMS_PER_SM)
+    cfg, per_sm = cfgs.parts_route(m)
+    plan = kern.split_plan(m, n, k, s, cfg.block_m, cfg.block_k, sms, per_sm)
 
     def run(d_out, sq_out):
         _launch(a, b, d_out, sq_out, splits, cfg, plan, cfgs.PARTS_PRECISION, b_parts=True, pdl=pdl)
