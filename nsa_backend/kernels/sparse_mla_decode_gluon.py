@@ -329,31 +329,10 @@ if gluon is not None:
                 PAGE, BLOCK_N, STAGES, LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
 
-        # ---- epilogue
-        m_empty = b_l == 0.0
-        b_inv = 1.0 / gl.where(m_empty, 1.0, b_l)
-        b_lse2 = gl.where(m_empty, float("-inf"), b_m + gl.log2(gl.where(m_empty, 1.0, b_l)))
-        o_hl = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, L_S))
-        m_hl = o_hl < h_q
-        o_lh = i_b * stride_lb + i_q * stride_lr + i_s * stride_ls + o_hl.to(gl.int64) * stride_lh
-        if SPLIT:
-            gl.store(lse_ptr + o_lh, b_lse2, mask=m_hl)
-        else:
-            b_lse = gl.where(m_empty, float("inf"), b_lse2 * 0.6931471805599453)
-            if HAS_SINK:
-                b_sink = gl.load(sink_ptr + o_hl, mask=m_hl, other=0.0)
-                b_inv = b_inv / (1.0 + gl.exp(b_sink - gl.where(m_empty, 0.0, b_lse)))
-            gl.store(lse_ptr + o_lh, b_lse, mask=m_hl)
-        b_inv_o = gl.expand_dims(gl.convert_layout(b_inv, gl.SliceLayout(0, L_OUT)), 0)
-        o_ho = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, L_OUT))
-        m_ho = gl.expand_dims(o_ho < h_q, 0)
-        o_d = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(1, L_OUT)), 1)
-        p_out = (out_ptr + i_b * stride_ob + i_q * stride_or + i_s * stride_os
-                 + gl.expand_dims(o_ho.to(gl.int64) * stride_oh, 0) + o_d)
-        _sparse_mla_decode_gluon_store(p_out, b_acc0, b_inv_o, m_ho, SPLIT, L_OUT)
-        _sparse_mla_decode_gluon_store(p_out + 128, b_acc1, b_inv_o, m_ho, SPLIT, L_OUT)
-        _sparse_mla_decode_gluon_store(p_out + 256, b_acc2, b_inv_o, m_ho, SPLIT, L_OUT)
-        _sparse_mla_decode_gluon_store(p_out + 384, b_acc3, b_inv_o, m_ho, SPLIT, L_OUT)
+        _sparse_mla_decode_gluon_epilogue(
+            b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l, sink_ptr, out_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q,
+            stride_ob, stride_or, stride_os, stride_oh, stride_lb, stride_lr, stride_ls, stride_lh,
+            BLOCK_H, SPLIT, HAS_SINK, L_S, L_OUT)
 
     @gluon.jit
     def _sparse_mla_decode_gluon_store(p_out, b_acc, b_inv, m_h, SPLIT: gl.constexpr, L_OUT: gl.constexpr):
