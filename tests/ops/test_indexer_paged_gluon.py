@@ -23,18 +23,11 @@ import torch
 from nsa_backend import reference as ref
 from tests.ops._aot import run_aot_script
 from tests.ops._cuda_graph import capture
+from tests.ops._gluon import on_sm90_gluon
 
 FP8 = torch.float8_e4m3fn
 triton = pytest.importorskip("triton")
 
-
-def _gluon_device() -> bool:
-    """A CUDA sm_90 device and a Triton whose Gluon the kernel supports."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    from nsa_backend.kernels._gluon import gluon_importable
-
-    return gluon_importable()
 
 
 def _paged_case(B, H, lens, ctx_2d, pad=0, spare=3, bad_pages=False, device="cpu", seed=0, next_n=2):
@@ -298,7 +291,7 @@ def _fuzz_cases(n: int, seed: int) -> list[dict]:
 
 @pytest.mark.gpu
 def test_gluon_paged_gpu_fuzz():
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.kernels.indexer_paged_gluon import fp8_paged_mqa_logits_gluon
 
@@ -316,7 +309,7 @@ def test_gluon_paged_gpu_fuzz():
 def test_gluon_paged_route_gpu(monkeypatch):
     """The paged launcher takes the Gluon kernel where the tables have a launch (H 64), the ``tl``
     kernel with ``NSA_BACKEND_GLUON=0``; both match the reference, through the public op too."""
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     import nsa_backend as nb
     from nsa_backend.kernels import indexer_paged_gluon as G
@@ -344,7 +337,7 @@ def test_gluon_paged_route_gpu(monkeypatch):
 
 @pytest.mark.gpu
 def test_gluon_paged_cuda_graph():
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.kernels.indexer_paged_gluon import fp8_paged_mqa_logits_gluon
 
@@ -370,7 +363,7 @@ def test_gluon_paged_cuda_graph():
 def test_gluon_paged_descriptor_reuse_gpu():
     """Launches reuse the cached descriptors of a cache; a new cache at the address of a freed one (same
     shape and strides) computes from its own contents; another page stride is another entry."""
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.kernels import indexer_paged_gluon as G
 

@@ -21,6 +21,7 @@ import torch
 
 from tests.ops._aot import run_aot_script
 from tests.ops._cuda_graph import capture
+from tests.ops._gluon import gluon_available, on_sm90_gluon
 from tests.ops.test_sparse_mla import (
     _check_out,
     _check_stat,
@@ -31,15 +32,6 @@ from tests.ops.test_sparse_mla import (
 
 triton = pytest.importorskip("triton")
 
-
-def _gluon_available() -> bool:
-    from nsa_backend.kernels._gluon import gluon_importable
-
-    return gluon_importable()
-
-
-def _on_sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_available()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,7 +104,7 @@ _AOT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not _gluon_available(), reason="this Triton has no Gluon")
+@pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon")
 def test_gluon_decode_compiles_for_sm90_within_shared_memory():
     rows = run_aot_script(_AOT, timeout=240)
     assert rows
@@ -195,7 +187,7 @@ def _run_gluon(a: dict, case: str, **kw) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 def test_gluon_decode_gpu_fuzz():
     errs = [_run_gluon(decode_case(**c), str(c) + str(kw), **kw) for c, kw in _gluon_cases(120, seed=7)]
     print(f"gluon decode fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
@@ -229,14 +221,14 @@ def _pair_cases(n: int, seed: int) -> list[tuple[dict, dict]]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 def test_gluon_decode_pair_gpu_fuzz():
     errs = [_run_gluon(decode_case(**c), str(c) + str(kw), **kw) for c, kw in _pair_cases(60, seed=11)]
     print(f"gluon decode pair fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 @pytest.mark.parametrize("pair", [False, True])
 def test_gluon_decode_empty_rows_gpu(pair):
     c = dict(B=2, s_q=2, h_q=16, topk=128, kv_format="fp8_ds_mla", scale_format="pow2", page=64,
@@ -253,7 +245,7 @@ def test_gluon_decode_empty_rows_gpu(pair):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 @pytest.mark.parametrize("pair", [False, True])
 def test_gluon_decode_cuda_graph(pair):
     from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
@@ -269,7 +261,7 @@ def test_gluon_decode_cuda_graph(pair):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 def test_decode_op_routes_few_heads_to_gluon(monkeypatch):
     """``sparse_mla_decode_triton`` takes the Gluon kernel for the head counts listed, the tl kernel
     with ``NSA_BACKEND_GLUON=0`` (both match the reference)."""

@@ -20,6 +20,7 @@ import torch
 
 from tests.ops._aot import run_aot_script
 from tests.ops._cuda_graph import capture
+from tests.ops._gluon import gluon_available, on_sm90_gluon
 from tests.ops.test_sparse_mla import (
     _check_out,
     _check_stat,
@@ -30,15 +31,6 @@ from tests.ops.test_sparse_mla import (
 
 triton = pytest.importorskip("triton")
 
-
-def _gluon_available() -> bool:
-    from nsa_backend.kernels._gluon import gluon_importable
-
-    return gluon_importable()
-
-
-def _on_sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_available()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -63,7 +55,7 @@ _AOT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not _gluon_available(), reason="this Triton has no Gluon")
+@pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon")
 def test_ws_decode_compiles_for_sm90_within_shared_memory():
     rows = run_aot_script(_AOT, timeout=240)
     assert len(rows) == 3
@@ -155,7 +147,7 @@ def _run_ws(a: dict, case: str, **kw) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 def test_ws_decode_gpu_fuzz():
     errs = []
     for i, (c, kw) in enumerate(_ws_cases(120, seed=11)):
@@ -167,7 +159,7 @@ def test_ws_decode_gpu_fuzz():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 def test_ws_decode_empty_rows_gpu():
     from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
 
@@ -183,7 +175,7 @@ def test_ws_decode_empty_rows_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 def test_ws_decode_cuda_graph():
     from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
 
@@ -198,7 +190,7 @@ def test_ws_decode_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Gluon decode kernel runs on sm_90")
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 def test_decode_op_routes_many_heads_to_ws(monkeypatch):
     """With the kernel enabled, ``sparse_mla_decode_triton`` takes it for 64 heads, the tl kernel with
     ``NSA_BACKEND_GLUON=0`` (both match the reference)."""

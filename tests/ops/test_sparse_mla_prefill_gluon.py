@@ -18,18 +18,11 @@ import pytest
 import torch
 
 from tests.ops._aot import run_aot_script
+from tests.ops._gluon import on_sm90_gluon
 from tests.ops.test_sparse_mla import _check_out, _check_stat, _fp32_reference_prefill, prefill_case
 
 triton = pytest.importorskip("triton")
 
-
-def _gluon_device() -> bool:
-    """A CUDA sm_90 device and a Triton whose Gluon the kernel supports."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    from nsa_backend.kernels._gluon import gluon_importable
-
-    return gluon_importable()
 
 
 def test_gate_off_without_cuda():
@@ -94,7 +87,7 @@ def _run(a: dict, case: str) -> float:
 
 @pytest.mark.gpu
 def test_gluon_prefill_gpu_fuzz():
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     errs = [_run(prefill_case(**c), f"{c}") for c in _fuzz_cases(100)]
     print(f"gluon prefill fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
@@ -104,7 +97,7 @@ def test_gluon_prefill_gpu_fuzz():
 def test_gluon_prefill_many_rows_gpu():
     """Several waves of programs with ``topk_length`` 0 .. topk + 3 (empty rows between full ones), a
     sink and padded head blocks (h_q 32)."""
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     for h_q, s_q in ((128, 300), (64, 517), (32, 401)):
         a = prefill_case(s_q, h_q, 576, 3000, 192, 0.2, True, True, seed=s_q)
@@ -115,7 +108,7 @@ def test_gluon_prefill_many_rows_gpu():
 @pytest.mark.gpu
 def test_gluon_prefill_bench_shape_matches_tl():
     """A slice of the benchmark shape (topk 2048, s_kv 32768): Gluon, ``tl`` kernel and reference agree."""
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.configs.sparse_mla import prefill_config
     from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton

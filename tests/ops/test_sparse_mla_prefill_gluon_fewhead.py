@@ -18,18 +18,11 @@ import pytest
 import torch
 
 from tests.ops._aot import run_aot_script
+from tests.ops._gluon import on_sm90_gluon
 from tests.ops.test_sparse_mla import _check_out, _check_stat, _fp32_reference_prefill, prefill_case
 
 triton = pytest.importorskip("triton")
 
-
-def _gluon_device() -> bool:
-    """A CUDA sm_90 device and a Triton whose Gluon the kernel supports."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    from nsa_backend.kernels._gluon import gluon_importable
-
-    return gluon_importable()
 
 
 def test_gate_off_without_cuda():
@@ -123,7 +116,7 @@ def _run(a: dict, case: str, **plan) -> float:
 
 @pytest.mark.gpu
 def test_fewhead_prefill_gpu_fuzz():
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     rnd = random.Random(1)
     errs = []
@@ -137,7 +130,7 @@ def test_fewhead_prefill_gpu_fuzz():
 def test_fewhead_prefill_many_rows_gpu():
     """Rows walked by fewer programs than rows, ``topk_length`` 0 .. topk + 3 (empty rows between full
     ones), a sink, both head blocks."""
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     for h_q, s_q, programs in ((16, 300, None), (32, 517, None), (12, 401, 7), (32, 64, 1)):
         a = prefill_case(s_q, h_q, 576, 3000, 192, 0.2, True, True, seed=s_q)
@@ -149,7 +142,7 @@ def test_fewhead_prefill_many_rows_gpu():
 def test_fewhead_prefill_bench_shape_matches_tl():
     """A slice of the benchmark shape (topk 2048, s_kv 32768): few-head kernel, ``tl`` kernel and reference
     agree."""
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.configs.sparse_mla import prefill_config
     from nsa_backend.kernels.sparse_mla_prefill import block_h_for, flash_mla_sparse_fwd_triton
@@ -168,7 +161,7 @@ def test_fewhead_prefill_bench_shape_matches_tl():
 @pytest.mark.gpu
 def test_fewhead_prefill_route_gpu():
     """The prefill launcher takes the few-head kernel for h_q <= 32 when it is enabled."""
-    if not _gluon_device():
+    if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.kernels import sparse_mla_prefill_gluon_fewhead as F
     from tests.ops.test_sparse_mla import run_prefill_case
