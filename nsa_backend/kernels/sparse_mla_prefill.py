@@ -265,6 +265,16 @@ def fp8_native(arch: int | None) -> bool:
     return arch is None or arch >= FP8_NATIVE_MIN_ARCH
 
 
+def prefill_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised results of a prefill launch on ``q``'s device: ``out [s_q, h_q, d_v]`` bfloat16,
+    ``max_logits`` and ``lse [s_q, h_q]`` float32 (the order the op returns them in)."""
+    s_q, h_q, _ = q.shape
+    out = torch.empty(s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    return out, max_logits, lse
+
+
 def block_h_for(h_q: int) -> int:
     """Heads per program: the next power of two of ``h_q`` in [16, 64]."""
     return min(64, max(16, triton.next_power_of_2(h_q)))
@@ -327,9 +337,7 @@ def flash_mla_sparse_fwd_triton(
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
     topk = indices.shape[-1]
-    out = torch.empty(s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
         return out, max_logits, lse
     block_h = block_h_for(h_q)

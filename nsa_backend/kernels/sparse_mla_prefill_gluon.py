@@ -48,6 +48,7 @@ import torch
 import triton
 
 from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
+from nsa_backend.kernels.sparse_mla_prefill import prefill_outputs
 
 # Whether the prefill launcher takes this kernel where :func:`supported` allows it.
 ENABLED = True
@@ -273,12 +274,21 @@ def kernel():
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> bool:
     """Whether the Gluon kernel takes this call: ``ENABLED``, the shapes and dtypes it covers, a launch
     tuned for sm_90 on a real sm_90 device, and Gluon allowed (``nsa_backend.kernels._gluon``)."""
-    _, h_q, d_qk = q.shape
+    h_q = q.shape[1]
     return (
         ENABLED
-        and d_qk == D_QK
-        and d_v == D_V
         and (h_q % BLOCK_H == 0 or (PADDED_MIN_HEADS is not None and h_q >= PADDED_MIN_HEADS))
+        and rows_supported(q, kv, d_v, arch)
+    )
+
+
+def rows_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> bool:
+    """What the Gluon prefill kernels (this one and the few-head one) need of a call, whatever its head
+    count: bf16 ``q`` and ``kv`` with ``d_qk`` 576 and ``d_v`` 512, rows 16-byte aligned for ``cp.async``,
+    a real sm_90 device and Gluon allowed (``nsa_backend.kernels._gluon``)."""
+    return (
+        q.shape[-1] == D_QK
+        and d_v == D_V
         and q.dtype == torch.bfloat16
         and kv.dtype == torch.bfloat16
         and q.stride(2) == 1
@@ -308,9 +318,7 @@ def flash_mla_sparse_fwd_gluon(
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
     topk = indices.shape[-1]
-    out = torch.empty(s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
         return out, max_logits, lse
     kv2 = kv.view(s_kv, d_qk)

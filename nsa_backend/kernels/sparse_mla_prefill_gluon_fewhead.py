@@ -45,16 +45,16 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
+from nsa_backend.kernels._gluon import gluon_importable
+
+# The capabilities (GLUON_ARCHS) and row shapes (d_qk 576, d_v 512, rows_supported) are the 64-head kernel's.
+from nsa_backend.kernels.sparse_mla_prefill import prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill_gluon import GLUON_ARCHS, rows_supported
 
 # Whether the prefill launcher takes this kernel where :func:`supported` allows it.
 ENABLED = True
-# Capabilities the kernel is written for (wgmma, 227 KiB of shared memory per block).
-GLUON_ARCHS: tuple[int, ...] = (90,)
 MAX_HEADS = 32
 BLOCK_N = 64
-D_QK = 576
-D_V = 512
 # Warps of the compute partition (one warpgroup).
 NUM_WARPS = 4
 LOG2E = 1.4426950408889634
@@ -369,23 +369,7 @@ def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> 
     """Whether the few-head kernel takes this call: ``ENABLED``, ``h_q <= 32``, the shapes and dtypes it
     covers, 16-byte aligned rows for ``cp.async``, a real sm_90 device and Gluon allowed
     (``nsa_backend.kernels._gluon``)."""
-    _, h_q, d_qk = q.shape
-    return (
-        ENABLED
-        and 1 <= h_q <= MAX_HEADS
-        and d_qk == D_QK
-        and d_v == D_V
-        and q.dtype == torch.bfloat16
-        and kv.dtype == torch.bfloat16
-        and q.stride(2) == 1
-        and q.stride(0) % 8 == 0
-        and q.stride(1) % 8 == 0
-        and q.data_ptr() % 16 == 0
-        and kv.is_contiguous()
-        and kv.data_ptr() % 16 == 0
-        and gluon_enabled(arch, GLUON_ARCHS)
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
-    )
+    return ENABLED and 1 <= q.shape[1] <= MAX_HEADS and rows_supported(q, kv, d_v, arch)
 
 
 def flash_mla_sparse_fwd_gluon_fewhead(
@@ -406,9 +390,7 @@ def flash_mla_sparse_fwd_gluon_fewhead(
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
     topk = indices.shape[-1]
-    out = torch.empty(s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
         return out, max_logits, lse
     p = fewhead_plan(s_q, h_q, **plan)
