@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from nsa_backend.routing.capabilities import OPS, TABLE, describe_rows
+from nsa_backend.routing.capabilities import OPS, TABLE, TRITON_OVER_PADDED, describe_rows
 
 # Column order of the grid: CUDA arch families, oldest first.
 MATRIX_ARCHS: tuple[str, ...] = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120", "sm121")
@@ -26,7 +26,8 @@ capability table in `nsa_backend/routing/capabilities.py`; do not edit by hand.
 `impl="auto"` picks, per call, the first implementation in the cell that supports the shape
 (natives before Triton) and whose package imports; `reference` (plain PyTorch) runs everywhere and
 is what CPU calls use. A native listed in a cell may still refuse a shape: the conditions are in the
-second table.
+second table. Where a native kernel would run a call only on zero-padded heads and the Triton kernels
+were measured faster (third table), `auto` takes Triton.
 """
 
 
@@ -50,6 +51,12 @@ def render() -> str:
         if row["impl"] == "triton":
             continue
         lines.append("| `{op}` | {impl} | {archs} | {package} | {shape} | {note} |".format(**row))
+    lines += ["", "## Where auto takes Triton over a native kernel on padded heads", "",
+              "Only where Triton's Gluon kernels may run (sm_90, a Triton with Gluon, `NSA_BACKEND_GLUON` not 0).", ""]
+    lines.append("| op | archs | shape | note |")
+    lines.append("|---|---|---|---|")
+    for row in describe_rows(table=TRITON_OVER_PADDED):
+        lines.append("| `{op}` | {archs} | {shape} | {note} |".format(**row))
     lines.append("")
     return "\n".join(lines)
 

@@ -256,6 +256,40 @@ TABLE: tuple[Support, ...] = (
          page_size=OneOf((64,)), topk=OneOf((128, 512, 1024, 2048)), s_q=Range(1, 64)),
 )
 
+# Calls for which the Triton route is measured faster than a native kernel that runs them only on
+# zero-padded heads: "auto" then takes Triton. H200 (sm_90), bench/results/h200/results.md at 9f8cc41,
+# against FlashMLA on heads padded to 64: the few-head Gluon prefill 1.43x / 1.13x at h_q 16 / 32
+# (s_q 4096, topk 2048) and the few-head Gluon decode 1.17-1.25x at h_q 16 (B 32 / 128, s_q 1 / 2,
+# topk 2048). Those kernels need Triton's Gluon on the device (``nsa_backend.kernels._gluon``); the
+# ``tl`` kernels that run without it are slower than the padded native kernel, so the preference
+# holds only where Gluon may run (:func:`gluon_usable`).
+TRITON_OVER_PADDED: tuple[Support, ...] = (
+    _row("flash_mla_sparse_fwd", "triton", SM90, num_heads=Range(1, 32), d_qk=OneOf((576,)),
+         note="few-head Gluon prefill kernel: faster than FlashMLA on heads padded to 64"),
+    _row("sparse_mla_decode", "triton", SM90, num_heads=Range(1, 16), d_qk=OneOf((576,)),
+         kv_format=OneOf(("fp8_ds_mla",)), page_size=OneOf((64,)),
+         note="few-head Gluon decode kernel: faster than FlashMLA on heads padded to 64"),
+)
+
+
+def gluon_usable(arch: str) -> bool:
+    """Whether the Gluon kernels may run on ``arch`` (``"sm90"``, ...): this Triton has a Gluon they are
+    written for and ``NSA_BACKEND_GLUON`` does not turn them off."""
+    from nsa_backend.kernels._gluon import gluon_enabled
+
+    digits = arch[2:] if arch.startswith("sm") else ""
+    return digits.isdigit() and gluon_enabled(int(digits), (int(digits),))
+
+
+def triton_over_padded(op: str, arch: str, features: Mapping[str, Any]) -> str | None:
+    """Why ``auto`` should take Triton for this call rather than a native kernel on padded heads (a row
+    of :data:`TRITON_OVER_PADDED` matches and Gluon may run), or ``None``."""
+    for row in TRITON_OVER_PADDED:
+        if row.op == op and arch in row.archs and _check_row(row, features)[0] is None and gluon_usable(arch):
+            return row.note
+    return None
+
+
 # Features that can change a decision, per op (the routing cache key).
 SHAPE_FEATURES: dict[str, tuple[str, ...]] = {
     op: tuple(sorted({name for row in TABLE if row.op == op for name, _ in row.where})) for op in OPS
@@ -451,10 +485,11 @@ def _probe_reason(row: Support, arch: str, device: Any) -> str | None:
     return None if ok else f"the installed {row.package} build has no {arch} kernels ({why})"
 
 
-def describe_rows(op: str | None = None) -> list[dict[str, str]]:
-    """The table as printable rows (for ``nsa-backend doctor`` and the docs)."""
+def describe_rows(op: str | None = None, table: tuple[Support, ...] = TABLE) -> list[dict[str, str]]:
+    """``table`` (the capability table, or :data:`TRITON_OVER_PADDED`) as printable rows (for
+    ``nsa-backend doctor`` and the docs)."""
     out = []
-    for row in TABLE:
+    for row in table:
         if op is not None and row.op != op:
             continue
         out.append({

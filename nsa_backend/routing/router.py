@@ -3,6 +3,8 @@
 ``requested == "auto"``: the user's configuration first (environment, then the config file's
 model / arch / defaults sections), then the capability table: a native kernel when its package
 imports and it supports the shape (zero-padding heads where that makes it usable), else Triton.
+Where the Triton kernels were measured faster than a native kernel on padded heads
+(:data:`capabilities.TRITON_OVER_PADDED`), Triton is taken instead of padding.
 CPU tensors always get the plain PyTorch reference; on a GPU the reference is used only when asked
 for (or for the few ops without a GPU kernel).
 
@@ -194,6 +196,12 @@ def decide(op: str, requested: str, arch: str, features: Mapping[str, Any], *, m
         if impl not in implemented:
             continue
         verdict = caps.evaluate(op, impl, arch, features, natives)
+        if verdict.ok and "num_heads" in verdict.padded and "triton" in implemented:
+            faster = caps.triton_over_padded(op, arch, features)
+            if faster is not None:
+                reasons.append(f"{impl} would pad num_heads {features['num_heads']} to "
+                               f"{verdict.padded['num_heads']}; {faster}")
+                continue
         if verdict.ok:
             note = verdict.reason or ("portable Triton kernel" if impl == "triton" else "native kernel")
             if reasons and impl == "triton":
@@ -249,8 +257,9 @@ def select_impl(op: str, requested: str, features: Mapping[str, Any]) -> str:
     arch = features.get("arch") or _arch_of(features.get("device"))
     model = features.get("model", _active_model)
     shape = caps.SHAPE_FEATURES.get(op)
+    # the CPU route depends on the interpreter switch, Triton over padded natives on the Gluon switch
     key = (op, requested, arch, model, tuple(features.get(k) for k in shape) if shape else None,
-           arch == "cpu" and envs.triton_interpret())  # the CPU route depends on the interpreter switch
+           arch == "cpu" and envs.triton_interpret(), envs.get(envs.GLUON, "1"))
     impl = _cache.get(key)
     if impl is not None:
         stats.hits += 1

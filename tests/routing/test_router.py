@@ -193,3 +193,49 @@ def test_plan_routes_with_framework_choice(all_kernels_present, natives):
     assert v4["tf32_hc_prenorm_gemm"].impl == "deep_gemm"
     assert v4["sparse_mla_decode"].impl == "triton"
     assert "pack_fp8_ds_mla" not in v4
+
+
+FEW_HEAD_PREFILL = {"device": CUDA, "arch": "sm90", "num_heads": 16, "d_qk": 576, "topk": 2048}
+FEW_HEAD_DECODE = {"device": CUDA, "arch": "sm90", "num_heads": 16, "d_qk": 576, "topk": 2048, "s_q": 1,
+                   "kv_format": "fp8_ds_mla", "page_size": 64}
+
+
+@pytest.mark.parametrize(("op", "feats", "gluon", "want"), [
+    # the few-head Gluon kernels beat FlashMLA on heads padded to 64 (sm_90)
+    ("flash_mla_sparse_fwd", FEW_HEAD_PREFILL, True, "triton"),
+    ("flash_mla_sparse_fwd", {**FEW_HEAD_PREFILL, "num_heads": 32}, True, "triton"),
+    ("sparse_mla_decode", FEW_HEAD_DECODE, True, "triton"),
+    # without Gluon the tl kernels are slower than the padded native kernel
+    ("flash_mla_sparse_fwd", FEW_HEAD_PREFILL, False, "flash_mla"),
+    ("sparse_mla_decode", FEW_HEAD_DECODE, False, "flash_mla"),
+    # outside the measured shapes: native heads, d_qk 512 (no few-head kernel), decode above 16 heads
+    ("flash_mla_sparse_fwd", {**FEW_HEAD_PREFILL, "num_heads": 64}, True, "flash_mla"),
+    ("flash_mla_sparse_fwd", {**FEW_HEAD_PREFILL, "num_heads": 33}, True, "flash_mla"),
+    ("flash_mla_sparse_fwd", {**FEW_HEAD_PREFILL, "d_qk": 512}, True, "flash_mla"),
+    ("sparse_mla_decode", {**FEW_HEAD_DECODE, "num_heads": 32}, True, "flash_mla"),
+    # other archs keep their routes
+    ("flash_mla_sparse_fwd", {**FEW_HEAD_PREFILL, "arch": "sm100"}, True, "flash_mla"),
+    ("sparse_mla_decode", {**FEW_HEAD_DECODE, "arch": "sm100"}, True, "flash_mla"),
+])
+def test_auto_takes_triton_over_padded_native(monkeypatch, all_kernels_present, natives, op, feats, gluon, want):
+    monkeypatch.setattr(caps, "gluon_usable", lambda arch: gluon)
+    router._cache.clear()
+    assert routing.select_impl(op, "auto", feats) == want
+    decision = router.decide(op, "auto", feats["arch"], feats)
+    assert decision.impl == want
+    if want == "triton":
+        assert "would pad num_heads" in decision.reason and "faster than FlashMLA" in decision.reason
+        # an explicit request for the native kernel still runs it on padded heads
+        assert routing.select_impl(op, "flash_mla", feats) == "flash_mla"
+
+
+def test_gluon_usable_follows_the_switch(monkeypatch):
+    from nsa_backend.kernels import _gluon
+
+    monkeypatch.setattr(_gluon, "gluon_importable", lambda: True)
+    monkeypatch.setattr(_gluon.envs, "triton_interpret", lambda: False)
+    monkeypatch.setenv("NSA_BACKEND_GLUON", "1")
+    assert caps.gluon_usable("sm90")
+    monkeypatch.setenv("NSA_BACKEND_GLUON", "0")
+    assert not caps.gluon_usable("sm90")
+    assert not caps.gluon_usable("rocm")
