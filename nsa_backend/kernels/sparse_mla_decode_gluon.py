@@ -791,9 +791,9 @@ def sparse_mla_decode_gluon(
 
     Same parameters and results as ``sparse_mla_decode_triton``; the inputs must pass
     :func:`gluon_decode_supported`. ``block_h``, ``block_n``, ``stages`` and ``num_splits`` override
-    the plan of :func:`decode_gluon_plan`; ``pair`` forces (``True``, 16-head blocks only) or avoids
-    the pair kernel, which by default takes 16-head blocks from ``PAIR_MIN_ROWS`` programs per split
-    on when no ``stages`` are given.
+    the plan of :func:`decode_gluon_plan`; ``pair`` forces (``True``: 16-head blocks of 64 keys
+    and no ``stages``, else ``ValueError``) or avoids the pair kernel, which by default takes 16-head
+    blocks from ``PAIR_MIN_ROWS`` programs per split on when no ``stages`` are given.
     """
     from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS
     from nsa_backend.kernels._arch import device_sms
@@ -816,8 +816,11 @@ def sparse_mla_decode_gluon(
                                                 stages, num_splits)
     head_blocks = triton.cdiv(h_q, bh)
     if pair is None:
-        pair = PAIR and stages is None and R * head_blocks >= PAIR_MIN_ROWS
-    if pair and (bh, bn) == (16, 64):
+        pair = PAIR and stages is None and (bh, bn) == (16, 64) and R * head_blocks >= PAIR_MIN_ROWS
+    elif pair and ((bh, bn) != (16, 64) or stages is not None):
+        raise ValueError(f"pair=True runs 16-head blocks of 64 keys with its own staging; got block_h={bh}, "
+                         f"block_n={bn}, stages={stages}")
+    if pair:
         kernel = _sparse_mla_decode_gluon_pair_kernel
         common = dict(
             PAGE=page, BLOCK_H=bh, BLOCK_N=bn, **PAIR_OPTIONS,

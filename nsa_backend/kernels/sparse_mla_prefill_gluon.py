@@ -4,7 +4,9 @@
 ``kv`` with ``d_qk`` 576 (512 latent + 64 rope), ``d_v`` 512 and ``h_q`` a multiple of 64 (other head
 counts run on tiles padded to 64 heads, used from ``PADDED_MIN_HEADS`` heads on); the launcher in
 ``nsa_backend.kernels.sparse_mla_prefill`` calls it when :func:`supported` says so (16-byte aligned
-rows for ``cp.async``) and takes the ``tl`` kernel otherwise.
+rows for ``cp.async``) and takes the ``tl`` kernel otherwise. Calls with up to 32 heads go first to
+the few-head kernel of ``nsa_backend.kernels.sparse_mla_prefill_gluon_fewhead`` (where it is
+``ENABLED``), so in practice this kernel serves 33 heads and more.
 
 One program of ``_sparse_mla_prefill_gluon_kernel`` (8 warps: two warpgroups) handles one query row and
 ``BLOCK_H = 64`` heads:
