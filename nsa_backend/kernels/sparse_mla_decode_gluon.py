@@ -309,13 +309,8 @@ if gluon is not None:
             mbarrier.init(empty_bars.index(s), count=1)
         fence_async_shared()
 
-        # ---- key range of this split
-        n_end = topk
-        if HAS_TOPK_LEN:
-            n_end = gl.minimum(gl.maximum(gl.load(topk_len_ptr + i_b), 0), topk)
-        n_start = i_s * keys_per_split
-        n_stop = gl.minimum(n_start + keys_per_split, n_end)
-        n_tiles = gl.cdiv(gl.maximum(n_stop - n_start, 0), BLOCK_N)
+        n_start, n_stop, n_tiles = _sparse_mla_decode_gluon_key_range(topk_len_ptr, i_b, i_s, topk,
+                                                                       keys_per_split, BLOCK_N, HAS_TOPK_LEN)
 
         b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l = gl.warp_specialize([
             (_sparse_mla_decode_gluon_compute, (
@@ -669,13 +664,8 @@ if gluon is not None:
             mbarrier.init(rope_empty.index(s), count=1)
         fence_async_shared()
 
-        # ---- key range of this split
-        n_end = topk
-        if HAS_TOPK_LEN:
-            n_end = gl.minimum(gl.maximum(gl.load(topk_len_ptr + i_b), 0), topk)
-        n_start = i_s * keys_per_split
-        n_stop = gl.minimum(n_start + keys_per_split, n_end)
-        n_tiles = gl.cdiv(gl.maximum(n_stop - n_start, 0), BLOCK_N)
+        n_start, n_stop, n_tiles = _sparse_mla_decode_gluon_key_range(topk_len_ptr, i_b, i_s, topk,
+                                                                       keys_per_split, BLOCK_N, HAS_TOPK_LEN)
 
         gl.warp_specialize([
             (_sparse_mla_decode_gluon_pair_loader, (
@@ -705,6 +695,43 @@ if gluon is not None:
             BLOCK_H, SPLIT, HAS_SINK, L_S, L_OUT)
 
     @gluon.jit
+    def _sparse_mla_decode_gluon_key_range(topk_len_ptr, i_b, i_s, topk, keys_per_split, BLOCK_N: gl.constexpr,
+                                           HAS_TOPK_LEN: gl.constexpr):
+        """``(n_start, n_stop, n_tiles)``: the slots of the top-k list that split ``i_s`` of batch ``i_b``
+        reads (truncated by ``topk_length``) and their number of ``BLOCK_N`` tiles."""
+        n_end = topk
+        if HAS_TOPK_LEN:
+            n_end = gl.minimum(gl.maximum(gl.load(topk_len_ptr + i_b), 0), topk)
+        n_start = i_s * keys_per_split
+        n_stop = gl.minimum(n_start + keys_per_split, n_end)
+        n_tiles = gl.cdiv(gl.maximum(n_stop - n_start, 0), BLOCK_N)
+        return n_start, n_stop, n_tiles
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_lse(b_m, b_l, sink_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q, stride_lb, stride_lr,
+                                     stride_ls, stride_lh, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+                                     HAS_SINK: gl.constexpr, L_H: gl.constexpr):
+        """Store the lse of head block ``i_h`` (``L_H``: the layout of ``b_m`` / ``b_l``; base 2 for a split's
+        partials, else natural log with ``+inf`` for a row without keys) from the running max ``b_m``
+        (base 2) and sum ``b_l``; return the factor that normalises the output (``1 / b_l``, times the
+        sink's share without splits)."""
+        m_empty = b_l == 0.0
+        b_inv = 1.0 / gl.where(m_empty, 1.0, b_l)
+        b_lse2 = gl.where(m_empty, float("-inf"), b_m + gl.log2(gl.where(m_empty, 1.0, b_l)))
+        o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=L_H)
+        m_h = o_h < h_q
+        o_l = i_b * stride_lb + i_q * stride_lr + i_s * stride_ls + o_h.to(gl.int64) * stride_lh
+        if SPLIT:
+            gl.store(lse_ptr + o_l, b_lse2, mask=m_h)
+        else:
+            b_lse = gl.where(m_empty, float("inf"), b_lse2 * 0.6931471805599453)
+            if HAS_SINK:
+                b_sink = gl.load(sink_ptr + o_h, mask=m_h, other=0.0)
+                b_inv = b_inv / (1.0 + gl.exp(b_sink - gl.where(m_empty, 0.0, b_lse)))
+            gl.store(lse_ptr + o_l, b_lse, mask=m_h)
+        return b_inv
+
+    @gluon.jit
     def _sparse_mla_decode_gluon_epilogue(
         b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l, sink_ptr, out_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q,
         stride_ob, stride_or, stride_os, stride_oh, stride_lb, stride_lr, stride_ls, stride_lh,
@@ -712,20 +739,9 @@ if gluon is not None:
         L_OUT: gl.constexpr,
     ):
         """Normalise ``O^T`` and write ``out`` / ``lse`` (or the split's partials)."""
-        m_empty = b_l == 0.0
-        b_inv = 1.0 / gl.where(m_empty, 1.0, b_l)
-        b_lse2 = gl.where(m_empty, float("-inf"), b_m + gl.log2(gl.where(m_empty, 1.0, b_l)))
-        o_hl = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, L_S))
-        m_hl = o_hl < h_q
-        o_lh = i_b * stride_lb + i_q * stride_lr + i_s * stride_ls + o_hl.to(gl.int64) * stride_lh
-        if SPLIT:
-            gl.store(lse_ptr + o_lh, b_lse2, mask=m_hl)
-        else:
-            b_lse = gl.where(m_empty, float("inf"), b_lse2 * 0.6931471805599453)
-            if HAS_SINK:
-                b_sink = gl.load(sink_ptr + o_hl, mask=m_hl, other=0.0)
-                b_inv = b_inv / (1.0 + gl.exp(b_sink - gl.where(m_empty, 0.0, b_lse)))
-            gl.store(lse_ptr + o_lh, b_lse, mask=m_hl)
+        b_inv = _sparse_mla_decode_gluon_lse(b_m, b_l, sink_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q, stride_lb,
+                                             stride_lr, stride_ls, stride_lh, BLOCK_H, SPLIT, HAS_SINK,
+                                             gl.SliceLayout(0, L_S))
         b_inv_o = gl.expand_dims(gl.convert_layout(b_inv, gl.SliceLayout(0, L_OUT)), 0)
         o_ho = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, L_OUT))
         m_ho = gl.expand_dims(o_ho < h_q, 0)

@@ -84,6 +84,10 @@ if gluon_importable():
     )
 
     from nsa_backend.kernels._gluon import cp_async, cta_barrier
+    from nsa_backend.kernels.sparse_mla_decode_gluon import (
+        _sparse_mla_decode_gluon_key_range,
+        _sparse_mla_decode_gluon_lse,
+    )
 else:  # pragma: no cover - the kernel is never launched without Gluon
     gluon = None
 
@@ -311,13 +315,8 @@ if gluon is not None:
         mbarrier.init(kready_bar, count=1)
         fence_async_shared()
 
-        # ---- key range of this split
-        n_end = topk
-        if HAS_TOPK_LEN:
-            n_end = gl.minimum(gl.maximum(gl.load(topk_len_ptr + i_b), 0), topk)
-        n_start = i_s * keys_per_split
-        n_stop = gl.minimum(n_start + keys_per_split, n_end)
-        n_tiles = gl.cdiv(gl.maximum(n_stop - n_start, 0), BLOCK_N)
+        n_start, n_stop, n_tiles = _sparse_mla_decode_gluon_key_range(topk_len_ptr, i_b, i_s, topk,
+                                                                       keys_per_split, BLOCK_N, HAS_TOPK_LEN)
         p_idx = idx_ptr + i_r * stride_idx_row
 
         b_acc, b_l2, b_m = gl.warp_specialize([
@@ -337,20 +336,8 @@ if gluon is not None:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         b_l = gl.sum(b_l2, axis=1)
-        m_empty = b_l == 0.0
-        b_inv = 1.0 / gl.where(m_empty, 1.0, b_l)
-        b_lse2 = gl.where(m_empty, float("-inf"), b_m + gl.log2(gl.where(m_empty, 1.0, b_l)))
-        o_hs = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
-        m_hs = o_hs < h_q
-        o_l = i_b * stride_lb + i_q * stride_lr + i_s * stride_ls + o_hs.to(gl.int64) * stride_lh
-        if SPLIT:
-            gl.store(lse_ptr + o_l, b_lse2, mask=m_hs)
-        else:
-            b_lse = gl.where(m_empty, float("inf"), b_lse2 * 0.6931471805599453)
-            if HAS_SINK:
-                b_sink = gl.load(sink_ptr + o_hs, mask=m_hs, other=0.0)
-                b_inv = b_inv / (1.0 + gl.exp(b_sink - gl.where(m_empty, 0.0, b_lse)))
-            gl.store(lse_ptr + o_l, b_lse, mask=m_hs)
+        b_inv = _sparse_mla_decode_gluon_lse(b_m, b_l, sink_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q, stride_lb,
+                                             stride_lr, stride_ls, stride_lh, BLOCK_H, SPLIT, HAS_SINK, row_s)
         b_o = b_acc * gl.expand_dims(gl.convert_layout(b_inv, row_o), 1)
         o_ho = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
         o_co = gl.arange(0, D_V, layout=col_o)
