@@ -24,6 +24,7 @@ from nsa_backend import reference as ref
 from tests.ops._aot import run_aot_script
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import on_sm90_gluon
+from tests.ops.test_indexer import _assert_logits
 
 FP8 = torch.float8_e4m3fn
 triton = pytest.importorskip("triton")
@@ -65,18 +66,6 @@ def _paged_case(B, H, lens, ctx_2d, pad=0, spare=3, bad_pages=False, device="cpu
     q = torch.randn(B, next_n, H, D, device=device, generator=gen).to(FP8)
     w = torch.randn(B * next_n, H, device=device, generator=gen)
     return q, cache, w, ctx, table, max([*lens, 0])
-
-
-def _assert_logits(out, want, what):
-    assert out.shape == want.shape, f"{what}: shape {tuple(out.shape)} != {tuple(want.shape)}"
-    assert torch.equal(torch.isneginf(out), torch.isneginf(want)), f"{what}: -inf mask differs"
-    fin = torch.isfinite(want)
-    if fin.any():
-        o, r = out[fin].double(), want[fin].double()
-        assert torch.isfinite(o).all(), f"{what}: non-finite value inside the window"
-        tol = 2e-3 * r.abs().max().item() + 1e-6
-        err = (o - r).abs().max().item()
-        assert err <= tol, f"{what}: max abs err {err:.3g} > {tol:.3g}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -210,7 +199,7 @@ def test_tl_route_off_cuda():
 
     q, cache, w, ctx, table, max_len = _paged_case(2, 40, [130, 0], True, bad_pages=True)
     out = fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, None, max_len + 3)
-    _assert_logits(out, ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len + 3), "tl route")
+    _assert_logits(out, ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len + 3), what="tl route")
 
 
 _AOT_SCRIPT = textwrap.dedent("""
@@ -302,7 +291,7 @@ def test_gluon_paged_gpu_fuzz():
         max_ctx = max_len + c["extra"]
         want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_ctx)
         out = fp8_paged_mqa_logits_gluon(q, cache, w, ctx, table, max_ctx, config=c["config"], chunk=c["chunk"])
-        _assert_logits(out, want, f"{c}")
+        _assert_logits(out, want, what=f"{c}")
 
 
 @pytest.mark.gpu
@@ -332,7 +321,7 @@ def test_gluon_paged_route_gpu(monkeypatch):
         assert not G.supported(q, cache, 90)
         tl_out = fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, None, max_len + 5)
         for name, out in (("route", got), ("public", pub), ("tl", tl_out)):
-            _assert_logits(out, want, f"{what} {name}")
+            _assert_logits(out, want, what=f"{what} {name}")
 
 
 @pytest.mark.gpu
@@ -352,7 +341,7 @@ def test_gluon_paged_cuda_graph():
     ctx[8] = 3000  # graph inputs are read at replay time
     g.replay()
     torch.cuda.synchronize()
-    _assert_logits(got, ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len), "graph replay")
+    _assert_logits(got, ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len), what="graph replay")
     ctx[8] = 0
     g.replay()
     torch.cuda.synchronize()
@@ -373,6 +362,6 @@ def test_gluon_paged_descriptor_reuse_gpu():
                                                        seed=seed)
         want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len)
         for _ in range(2):
-            _assert_logits(G.fp8_paged_mqa_logits_gluon(q, cache, w, ctx, table, max_len), want, f"seed {seed}")
+            _assert_logits(G.fp8_paged_mqa_logits_gluon(q, cache, w, ctx, table, max_len), want, what=f"seed {seed}")
         assert G._descriptor_key(cache) in G._DESCRIPTORS
         del q, cache, w, ctx, table
