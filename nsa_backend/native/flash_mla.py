@@ -10,8 +10,16 @@ Argument translation only:
 - Top-k width: the kernels work in blocks of 64 (decode) / 128 (prefill) indices; other widths are
   padded with ``-1``.
 - Decode indices: FlashMLA treats only ``-1`` as invalid and does not bound-check, so slots outside
-  the cache become ``-1`` here. The cache may be ``[num_blocks, page, 656]`` or
-  ``[num_blocks, page, 1, 656]``.
+  the cache, entries past ``topk_length`` and the padding columns become ``-1`` here, in one launch
+  (:func:`nsa_backend.kernels.slots.mask_invalid_slots`). The cache may be
+  ``[num_blocks, page, 656]`` or ``[num_blocks, page, 1, 656]``.
+- Decode schedule: FlashMLA computes its split-KV schedule on the first call with a fresh
+  ``get_mla_metadata()`` object and reuses it while the shapes stay the same (the top-k lengths are
+  applied to the indices here, so the schedule depends on the shapes only). One object per shape is
+  kept, as frameworks share one across the layers of a step; a fresh object per call recomputed
+  the schedule every call (H200, B 32, h_q 64, CUDA graph: 77.6 against 47.6 us per call). An object
+  first used while a CUDA graph is being captured is not kept (its schedule is only computed when
+  the graph replays), and an object used in a capture is never dropped (the graph reads it).
 """
 
 from __future__ import annotations
@@ -19,15 +27,25 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import threading
+from collections import OrderedDict
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from nsa_backend.kernels.slots import mask_invalid_slots
 from nsa_backend.routing.router import get_padded_heads
 
 PREFILL_TOPK_BLOCK = 128
 DECODE_TOPK_BLOCK = 64
+# Decode schedules kept (one per shape, least recently used dropped first, except those used in a
+# CUDA graph capture).
+SCHEDULE_CACHE_SIZE = 64
+
+_schedules: OrderedDict[tuple, Any] = OrderedDict()
+_captured: dict[tuple, Any] = {}
+_schedules_lock = threading.Lock()
 
 
 @functools.cache
@@ -82,6 +100,34 @@ def _apply_topk_length(indices: torch.Tensor, topk_length: torch.Tensor | None) 
     return torch.where(keep, indices, torch.full_like(indices, -1))
 
 
+def _decode_schedule(fm: ModuleType, key: tuple) -> Any:
+    """The schedule object of decode calls of shape ``key`` (see the module docstring)."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    with _schedules_lock:
+        sched = _captured.get(key)
+        if sched is None:
+            sched = _schedules.get(key)
+        if sched is None:
+            sched = fm.get_mla_metadata()[0]
+            if capturing:
+                return sched
+            _schedules[key] = sched
+            while len(_schedules) > SCHEDULE_CACHE_SIZE:
+                _schedules.popitem(last=False)
+        elif key in _schedules:
+            _schedules.move_to_end(key)
+        if capturing:
+            _captured[key] = sched
+        return sched
+
+
+def clear_decode_schedules() -> None:
+    """Forget the kept decode schedules (tests, or after freeing every graph that used them)."""
+    with _schedules_lock:
+        _schedules.clear()
+        _captured.clear()
+
+
 def flash_mla_sparse_fwd(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -124,18 +170,17 @@ def sparse_mla_decode(
     heads, d_qk = q.shape[2], q.shape[3]
     cache = kv_cache if kv_cache.dim() == 4 else kv_cache.unsqueeze(2)
     num_slots = cache.shape[0] * cache.shape[1]
-    indices = torch.where((indices < 0) | (indices >= num_slots), torch.full_like(indices, -1), indices)
-    indices = _apply_topk_length(indices, topk_length)
-    indices = _pad_dim(indices, 2, _round_up(indices.shape[2], DECODE_TOPK_BLOCK), -1)
+    width = _round_up(indices.shape[2], DECODE_TOPK_BLOCK)
+    indices = mask_invalid_slots(indices, num_slots, topk_length, width)
     target = get_padded_heads("sparse_mla_decode", "flash_mla", heads, device=q.device)
     q = _pad_dim(q, 2, target)
     if attn_sink is not None:
         attn_sink = _pad_dim(attn_sink, 0, target)
-    sched, _ = fm.get_mla_metadata()
     kwargs = legacy_kwargs("flash_mla_with_kvcache", d_qk, q.device, fp8_cache=True)
+    key = (q.device, *q.shape[:3], *cache.shape[1:3], width, tuple(sorted(kwargs.items())), id(fm))
     out, lse = fm.flash_mla_with_kvcache(
-        q, cache, None, None, d_v, sched, None,
-        softmax_scale=sm_scale, causal=False, is_fp8_kvcache=True, indices=indices.contiguous(),
+        q, cache, None, None, d_v, _decode_schedule(fm, key), None,
+        softmax_scale=sm_scale, causal=False, is_fp8_kvcache=True, indices=indices,
         attn_sink=attn_sink, topk_length=None, **kwargs,
     )
     if target != heads:

@@ -217,8 +217,8 @@ def _make_flash_mla(with_legacy: bool) -> types.ModuleType:
                      softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None, attn_sink=None,
                      topk_length=None, **kw):
         mod.calls.append(("decode", {"heads": q.shape[2], "cache_dim": k_cache.dim(), "fp8": is_fp8_kvcache,
-                                     "indices": indices.clone(), **kw}))
-        assert sched == "sched" and block_table is None and not causal
+                                     "indices": indices.clone(), "sched": sched, **kw}))
+        assert any(sched is made for made in mod.schedules) and block_table is None and not causal
         return reference.sparse_mla_decode(q, k_cache, indices, softmax_scale, head_dim_v, "fp8_ds_mla",
                                            attn_sink, topk_length)
 
@@ -244,7 +244,13 @@ def _make_flash_mla(with_legacy: bool) -> types.ModuleType:
             return with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits,
                                 softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length)
         mod.flash_mla_sparse_fwd, mod.flash_mla_with_kvcache = sparse_fwd_upstream, with_kvcache_upstream
-    mod.get_mla_metadata = lambda *a, **k: ("sched", None)
+    mod.schedules = []
+
+    def get_mla_metadata(*args, **kwargs):
+        mod.schedules.append(types.SimpleNamespace())  # a fresh, empty schedule object, as FlashMLA's
+        return mod.schedules[-1], None
+
+    mod.get_mla_metadata = get_mla_metadata
     return mod
 
 
@@ -255,10 +261,12 @@ def flash_mla_module(monkeypatch):
         _install(monkeypatch, "flash_mla", mod, "1.0.0")
         fm_wrap._module.cache_clear()
         fm_wrap._has_use_legacy.cache_clear()
+        fm_wrap.clear_decode_schedules()
         return mod
     yield install
     fm_wrap._module.cache_clear()
     fm_wrap._has_use_legacy.cache_clear()
+    fm_wrap.clear_decode_schedules()
 
 
 @pytest.mark.parametrize("with_legacy", [True, False], ids=["sgl-flash-mla", "upstream"])
@@ -314,6 +322,32 @@ def test_flash_mla_decode_translation(flash_mla_module, on_arch):
     assert sent.shape[-1] == 64 and int(sent.max()) < 128 and int(sent.min()) == -1
     with pytest.raises(ValueError, match="fp8_ds_mla cache only"):
         fm_wrap.sparse_mla_decode(q, cache, idx, 0.05, 512, "bf16", None, None)
+
+
+def test_flash_mla_decode_keeps_one_schedule_per_shape(flash_mla_module, on_arch, monkeypatch):
+    """FlashMLA computes its split-KV schedule on the first call of a schedule object: calls of one
+    shape share one object (whatever the index values and top-k lengths), other shapes get their own,
+    and the least recently used is dropped beyond ``SCHEDULE_CACHE_SIZE``."""
+    mod = flash_mla_module(True)
+    on_arch("sm90")
+    monkeypatch.setattr(fm_wrap, "SCHEDULE_CACHE_SIZE", 2)
+    cache = _ds_mla_cache()
+
+    def call(b, topk, seed, tl=None):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(b, 1, 64, 576, generator=g).to(torch.bfloat16)
+        idx = torch.randint(-1, 128, (b, 1, topk), generator=g, dtype=torch.int32)
+        fm_wrap.sparse_mla_decode(q, cache, idx, 0.05, 512, "fp8_ds_mla", None, tl)
+        return mod.calls[-1][1]["sched"]
+
+    first = call(2, 64, 0)
+    assert call(2, 64, 1, torch.tensor([10, 64], dtype=torch.int32)) is first
+    assert call(2, 50, 2) is first                 # the same padded width (64)
+    other = call(3, 64, 3)
+    wider = call(2, 128, 4)
+    assert other is not first and wider is not first and wider is not other
+    assert len(mod.schedules) == 3
+    assert call(2, 64, 5) is not first             # dropped: two shapes kept, (2, 64) the oldest
 
 
 # ----------------------------------------------------------------------------------------------
