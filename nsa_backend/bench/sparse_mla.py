@@ -18,6 +18,10 @@ FlashMLA (``flash_mla`` package, ``use_legacy=True`` where it takes that argumen
 row is named ``flash_mla_pad64``. ``ratios["vs_flash_mla"]`` is FlashMLA's time over ours (> 1:
 ours is faster). The reference runs only in quick mode (it is far slower).
 
+Decode also times the public op ``nsa_backend.sparse_mla_decode`` with ``impl="auto"`` (row
+``auto``, its note names the route): what a framework integration gets, argument checks, routing,
+native wrappers and every launch included (in a CUDA graph, so only the GPU side counts).
+
 Run alone: ``python -m nsa_backend.bench.sparse_mla [--quick] [--out results.json]``.
 """
 
@@ -278,6 +282,20 @@ def bench_decode(
                 note=fm_note,
             )
         )
+    # what a framework gets: the public op with impl="auto" (the route, wrappers and launches included)
+    from nsa_backend import sparse_mla_decode as public_decode
+    from nsa_backend.routing.router import select_impl
+
+    route = select_impl("sparse_mla_decode", "auto", {
+        "device": device, "num_heads": h_q, "d_qk": D_QK, "topk": topk, "s_q": s_q, "kv_format": "fp8_ds_mla",
+        "page_size": PAGE})
+    auto_ms, auto_note = _safe_ms(
+        lambda: public_decode(a["q"], a["kv_cache"], a["indices"], a["sm_scale"]), device, graph=True
+    )
+    g = gbps(nbytes, auto_ms)
+    rows.append(_row("sparse_mla_decode", shape, "auto", auto_ms, flops, nbytes,
+                     {"of_copy_bw": g / copy_gbps if (g and copy_gbps) else None},
+                     note=auto_note or f"public op, impl='auto': {route}"))
     g = gbps(nbytes, ours)
     rows.insert(
         0,
