@@ -33,24 +33,32 @@ converting the next tile into registers while ``P V`` runs (0-3 %).
 
 The "pair" kernel (``_sparse_mla_decode_gluon_pair_kernel``, 16-head blocks, from ``PAIR_MIN_ROWS``
 programs per split on) stops reading every key tile twice for the scores: instead of splitting the heads
-of one tile, each of its two compute warpgroups (two worker partitions of 4 warps, 200 registers)
+of one tile, each of its two compute warpgroups (two worker partitions of 4 warps, 216 registers)
 takes every other tile of the split with its own key buffers (one per latent group, so that the
 stores of the conversion need no barrier between them), its own scores ``S^T = K q^T`` for all 16
 heads (m64n16), softmax, ``O^T``, max and row sums; the two states are merged once at the end through
 shared memory (each partition's ``O^T`` over its own key buffers). The loader is the default
-partition: ``q`` once, then half tiles (32 slots) of latent bytes and scales into 3 half buffers, each
-refilled once the tile that used it is converted, and the rope values of a tile into 2 MMA-ready
-buffers, refilled once the scores of the tile that used it are done. Shared memory: 221,728 B. The
-``P V`` MMAs are waited in the iteration that issues them (left in flight across the back edge, ptxas
-serialises every wgmma). H200 (h_q 16, topk 2048, page 64, CUDA graphs, same process): B 128 95.6 /
-176.1 us at s_q 1 / 2 (the kernel above 117.8 / 232.1), B 32 s_q 2 59.8 us (67.4); at B 32 s_q 1
-(32 programs per split) 41.7 against 40.6 us, so fewer rows keep the kernel above. Probes at B 128 s_q
-1 (parts removed, garbage data): no copies 77.0, copies only 55.2, conversion only 38.4, MMAs only
-40.8, none of the three 16.8 us. Tried without gain (``bench/results/h200/tuning/sparse_mla_gluon.md``):
+partition (80 registers): ``q`` once, then half tiles (32 slots) of latent bytes and scales into 3
+half buffers, each refilled once the tile that used it is converted, and the rope values of a tile
+into 2 MMA-ready buffers, refilled once the scores of the tile that used it are done. Its copies are
+laid out so that 8 lanes copy 128 contiguous bytes of one row (2 rows per thread and half tile), with
+the page and row of a slot from unsigned arithmetic: 267 instructions per tile instead of 794 when
+each thread copied 16 bytes of 8 rows (``PAIR_OPTIONS["LIGHT"] = 0``); the loader shares the SM
+sub-partitions with the compute warps, and the loop time follows the instructions they issue. Shared
+memory: 221,728 B. The ``P V`` MMAs are waited in the iteration that issues them (left in flight
+across the back edge, ptxas serialises every wgmma). H200 (h_q 16, topk 2048, page 64, CUDA graphs,
+same process, FlashMLA on heads padded to 64 in brackets): B 128 84.2 / 161.0 us at s_q 1 / 2 (113.1
+/ 220.4), B 32 37.0 / 53.3 us (47.4 / 73.2); with the previous loader 95.3 / 176.9 and 40.9 / 59.9.
+Below 32 programs per split the kernel above is faster (B 16 s_q 1: 28.9 against 30.9 us). Probes at
+B 128 s_q 1 (parts removed, garbage data): no copies 80.8 us, no conversion 58.2: the compute warps
+are the critical path. Tried without gain (``bench/results/h200/tuning/sparse_mla_gluon.md``):
 converting and scoring group by group, 16 elements per thread in the conversion, 3 rope buffers,
 an L2 bulk prefetch of the rows 2-8 tiles ahead (slower: 114-126 us), the MMAs of the two
-partitions alternating in tile order, and a separate converter partition feeding two MMA-only
-partitions (99 us).
+partitions alternating in tile order, a separate converter partition feeding two MMA-only
+partitions (99 us), an exact conversion with integer operations instead of the fp8 unit (the f16
+with bits ``(b & 0x80) << 8 | (b & 0x7f) << 7`` is ``e4m3(b) * 2^-8``; half the ``F2FP`` but more
+instructions: 114 us), one copied row per thread (64-byte runs: 89.8 us), the light layouts in the
+kernel above (slower), releases by per-thread arrivals, and rescaling ``O^T`` only when a max grew.
 
 Outputs follow ``_sparse_mla_fwd_kernel``: with one split the final bf16 ``out``, the natural-log
 ``lse`` (``+inf`` for a row without a valid key) and ``attn_sink``; with several splits the
@@ -94,12 +102,14 @@ LOADER_REGS = 96
 # Whether 16-head blocks take the pair kernel (two compute warpgroups on alternate tiles) and its
 # launch constants: half-tile staging buffers of latent bytes and scales, tile buffers of rope values,
 # contiguous elements per thread in the conversion, registers per thread of each compute warpgroup
-# (the loader partition gets the rest).
+# (the loader partition gets the rest: 80 at 216, no spills; 224 spills in the loader) and the
+# loader's copy layout (1: 128-byte runs, two rows per thread and half tile; 0: 16 bytes of 8 rows).
 PAIR = True
-PAIR_OPTIONS: dict[str, int] = {"LAT_STAGES": 3, "ROPE_STAGES": 2, "DQ_VEC": 8, "COMPUTE_REGS": 200}
+PAIR_OPTIONS: dict[str, int] = {"LAT_STAGES": 3, "ROPE_STAGES": 2, "DQ_VEC": 8, "COMPUTE_REGS": 216,
+                                "LIGHT": 1}
 # The pair kernel from this many programs per split on (query rows times head blocks); fewer rows
-# take the kernel above (H200, h_q 16: B 32 s_q 1 40.6 against 41.7 us).
-PAIR_MIN_ROWS = 64
+# take the kernel above (H200, h_q 16: B 32 s_q 1 37.6 against 41.0 us, B 16 s_q 1 30.9 against 28.9).
+PAIR_MIN_ROWS = 32
 
 
 def _plan_default(h_q: int) -> tuple[int, int, int]:
@@ -118,6 +128,16 @@ if gluon is not None:
         b_slot = gl.where(m_n, b_idx, 0)
         o_row = (b_slot // PAGE).to(gl.int64) * stride_page + (b_slot % PAGE).to(gl.int64) * stride_row
         # the launcher checks that the cache and its strides are 16-byte aligned
+        return gl.multiple_of(o_row, 16), m_n
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_rows_u(b_idx, o_n, n_stop, n_slots, PAGE: gl.constexpr, stride_page,
+                                        stride_row):
+        """``_sparse_mla_decode_gluon_rows`` with the page and row of a slot taken from its unsigned value
+        (no sign fix-ups in the division)."""
+        m_n = (o_n < n_stop) & (b_idx >= 0) & (b_idx < n_slots)
+        b_slot = gl.where(m_n, b_idx, 0).to(gl.uint32)
+        o_row = (b_slot // PAGE).to(gl.int64) * stride_page + (b_slot % PAGE).to(gl.int64) * stride_row
         return gl.multiple_of(o_row, 16), m_n
 
     @gluon.jit
@@ -356,12 +376,26 @@ if gluon is not None:
             return buf._reinterpret(gl.float32, [128, BLOCK_H], O_SL)
 
     @gluon.jit
+    def _sparse_mla_decode_gluon_rows_sel(b_idx, o_n, n_stop, n_slots, PAGE: gl.constexpr, stride_page,
+                                          stride_row, LIGHT: gl.constexpr):
+        """The row offsets of the light loaders (unsigned page arithmetic) or the previous ones."""
+        if LIGHT:
+            o_row, m_n = _sparse_mla_decode_gluon_rows_u(b_idx, o_n, n_stop, n_slots, PAGE, stride_page,
+                                                         stride_row)
+        else:
+            o_row, m_n = _sparse_mla_decode_gluon_rows(b_idx, o_n, n_stop, n_slots, PAGE, stride_page, stride_row)
+        return o_row, m_n
+
+    @gluon.jit
     def _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il, c_is, o_lat, o_sc, c_lat, c_sc, n0, n_stop, n_slots,
-                                           lat, sc, PAGE: gl.constexpr, stride_page, stride_row):
+                                           lat, sc, PAGE: gl.constexpr, stride_page, stride_row,
+                                           LIGHT: gl.constexpr):
         """``cp.async`` of one half tile's latent bytes and group scales (invalid slots zero-filled)."""
-        o_row, m_n = _sparse_mla_decode_gluon_rows(c_il, n0 + o_lat, n_stop, n_slots, PAGE, stride_page, stride_row)
+        o_row, m_n = _sparse_mla_decode_gluon_rows_sel(c_il, n0 + o_lat, n_stop, n_slots, PAGE, stride_page,
+                                                        stride_row, LIGHT)
         cp_async(lat, kv_ptr + gl.expand_dims(o_row, 1) + c_lat, mask=gl.expand_dims(m_n, 1))
-        o_row, m_n = _sparse_mla_decode_gluon_rows(c_is, n0 + o_sc, n_stop, n_slots, PAGE, stride_page, stride_row)
+        o_row, m_n = _sparse_mla_decode_gluon_rows_sel(c_is, n0 + o_sc, n_stop, n_slots, PAGE, stride_page,
+                                                        stride_row, LIGHT)
         p_sc = (kv_ptr + o_row + 512).to(gl.pointer_type(gl.float32))
         cp_async(sc, gl.expand_dims(p_sc, 1) + c_sc, mask=gl.expand_dims(m_n, 1))
 
@@ -371,15 +405,21 @@ if gluon is not None:
         stride_q_row, stride_q_head, stride_idx_row, stride_page, stride_row,
         q_smem, qr_smem, lat_smem, sc_smem, rope_smem, q_bar, lat_full, conv_bars, rope_full, rope_empty,
         PAGE: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr, LAT_STAGES: gl.constexpr,
-        ROPE_STAGES: gl.constexpr, LW: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, LW: gl.constexpr, LIGHT: gl.constexpr,
     ):
         """Loader partition (the default one) of the pair kernel: ``q`` once, then per tile the latent
         bytes and scales of its two halves of ``HALF`` slots into the ``LAT_STAGES`` half buffers and
         its rope values into the ``ROPE_STAGES`` MMA-ready buffers, each buffer as soon as the compute
         partition of its previous tile released it."""
         L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
-        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LW, 1], [1, 0])
-        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
+        L_QR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
+        if LIGHT:
+            # 128 contiguous bytes of a row per 8 lanes: two rows per thread and half tile
+            L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LW, 1], [1, 0])
+            L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [LW, 1], [1, 0])
+        else:
+            L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LW, 1], [1, 0])
+            L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
         L_SC: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [LW, 1], [1, 0])
         BLOCK_N: gl.constexpr = 2 * HALF
         # q [BLOCK_H, 576] (zeros for heads past h_q)
@@ -389,9 +429,9 @@ if gluon is not None:
         o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
         for g in gl.static_range(4):
             cp_async(q_smem.index(g), p_q + g * 128 + o_qc, mask=m_h)
-        o_hr = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_ROPE))
+        o_hr = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_QR))
         p_qr = q_ptr + i_r * stride_q_row + gl.expand_dims(o_hr.to(gl.int64) * stride_q_head, 1) + 512
-        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
+        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_QR)), 0)
         cp_async(qr_smem, p_qr + o_qr, mask=gl.expand_dims(o_hr < h_q, 1))
         async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
@@ -428,7 +468,8 @@ if gluon is not None:
             mbarrier.wait(conv_bars.index(jj % 2), (jj // 2) & 1, pred=h >= LAT_STAGES)
             hs = h % LAT_STAGES
             _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il0, c_is0, o_lat, o_sc, c_lat, c_sc, n0, n_stop, n_slots,
-                                               lat_smem.index(hs), sc_smem.index(hs), PAGE, stride_page, stride_row)
+                                               lat_smem.index(hs), sc_smem.index(hs), PAGE, stride_page, stride_row,
+                                               LIGHT)
             async_copy.mbarrier_arrive(lat_full.index(hs), increment_count=False)
             h = 2 * j + 1
             jj = gl.maximum(h - LAT_STAGES, 0) // 2
@@ -436,13 +477,13 @@ if gluon is not None:
             hs = h % LAT_STAGES
             _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il1, c_is1, o_lat, o_sc, c_lat, c_sc, n0 + HALF, n_stop,
                                                n_slots, lat_smem.index(hs), sc_smem.index(hs), PAGE, stride_page,
-                                               stride_row)
+                                               stride_row, LIGHT)
             async_copy.mbarrier_arrive(lat_full.index(hs), increment_count=False)
             # rope values of the whole tile
             rs = j % ROPE_STAGES
             mbarrier.wait(rope_empty.index(rs), ((j // ROPE_STAGES) & 1) ^ 1)
-            o_row, m_n = _sparse_mla_decode_gluon_rows(c_ir, n0 + o_rp, n_stop, n_slots, PAGE, stride_page,
-                                                       stride_row)
+            o_row, m_n = _sparse_mla_decode_gluon_rows_sel(c_ir, n0 + o_rp, n_stop, n_slots, PAGE, stride_page,
+                                                            stride_row, LIGHT)
             p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.bfloat16))
             cp_async(rope_smem.index(rs), gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_n, 1))
             async_copy.mbarrier_arrive(rope_full.index(rs), increment_count=False)
@@ -606,7 +647,8 @@ if gluon is not None:
         stride_ob, stride_or, stride_os, stride_oh,
         stride_lb, stride_lr, stride_ls, stride_lh,
         PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, LAT_STAGES: gl.constexpr,
-        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr, LIGHT: gl.constexpr,
+        SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
         HAS_TOPK_LEN: gl.constexpr, COMPUTE_REGS: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_N // 2
@@ -672,7 +714,7 @@ if gluon is not None:
                 q_ptr, kv_ptr, idx_ptr, i_r, i_h, h_q, n_start, n_stop, n_tiles, n_slots,
                 stride_q_row, stride_q_head, stride_idx_row, stride_page, stride_row,
                 q_smem, qr_smem, lat_smem, sc_smem, rope_smem, q_bar, lat_full, conv_bars, rope_full,
-                rope_empty, PAGE, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, 4)),
+                rope_empty, PAGE, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, 4, LIGHT)),
             (_sparse_mla_decode_gluon_pair_worker, (
                 idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
                 lat_smem, sc_smem, rope_smem, ka0, ka1, ka2, ka3, q_smem, qr_smem, p_smem0, ml_smem,
@@ -802,6 +844,7 @@ def sparse_mla_decode_gluon(
     stages: int | None = None,
     num_splits: int | None = None,
     pair: bool | None = None,
+    pair_options: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gluon :func:`nsa_backend.sparse_mla_decode` for the "fp8_ds_mla" cache on sm_90.
 
@@ -809,7 +852,8 @@ def sparse_mla_decode_gluon(
     :func:`gluon_decode_supported`. ``block_h``, ``block_n``, ``stages`` and ``num_splits`` override
     the plan of :func:`decode_gluon_plan`; ``pair`` forces (``True``: 16-head blocks of 64 keys
     and no ``stages``, else ``ValueError``) or avoids the pair kernel, which by default takes 16-head
-    blocks from ``PAIR_MIN_ROWS`` programs per split on when no ``stages`` are given.
+    blocks from ``PAIR_MIN_ROWS`` programs per split on when no ``stages`` are given; ``pair_options``
+    overrides entries of ``PAIR_OPTIONS`` for the pair kernel.
     """
     from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS
     from nsa_backend.kernels._arch import device_sms
@@ -839,7 +883,8 @@ def sparse_mla_decode_gluon(
     if pair:
         kernel = _sparse_mla_decode_gluon_pair_kernel
         common = dict(
-            PAGE=page, BLOCK_H=bh, BLOCK_N=bn, **PAIR_OPTIONS,
+            PAGE=page, BLOCK_H=bh, BLOCK_N=bn,
+            **{**PAIR_OPTIONS, **(pair_options or {})},
             HAS_SINK=attn_sink is not None, HAS_TOPK_LEN=topk_length is not None, num_warps=4,
         )
     else:
