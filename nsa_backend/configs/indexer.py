@@ -125,10 +125,7 @@ class PagedGluonConfig:
     ``warp_specialize`` (with ``tma``): a one-warp loader partition feeds the compute warpgroup
     through mbarriers; ``max_regs``: register cap per thread of the launch (0: the compiler's
     choice; warp-specialised, the partitions share ``max_regs`` x 8 warps, the loader keeping
-    ``loader_regs``); ``evict_last_bytes``: the logits stores carry the L2 ``evict_last`` hint when
-    the call's output (``B * next_n * max_context_len`` fp32) has at most this many bytes (0:
-    never), so that they stay in L2 while the call streams the key pages (and for the top-k that
-    reads them next); a larger output would push out the pages still being read.
+    ``loader_regs``).
     """
 
     num_stages: int
@@ -138,7 +135,6 @@ class PagedGluonConfig:
     warp_specialize: bool = False
     max_regs: int = 0
     loader_regs: int = 24
-    evict_last_bytes: int = 0
 
     def shared_bytes_estimate(self, head_dim: int, heads: int, rows: int = 2, page: int = 64) -> int:
         """Key tiles and scales of every stage plus the query tiles of ``rows`` rows and the mbarriers."""
@@ -153,15 +149,9 @@ class PagedGluonConfig:
 # next_n 2 need a 64-register cap (spills). Caches whose page stride is not whole 128-byte rows take
 # cp.async copies without a loader partition (next_n 2: 0.59 / 0.70 / 0.72 / 0.75 / 0.77). A call is
 # routed to the kernel where the table of its copy engine has an entry (``paged_gluon_config``).
-# Logits stores with the L2 evict_last hint (outputs up to 8 MiB): next_n 1 0.80 -> 0.84 at 8K and
-# 0.87 -> 0.92 at 16K, next_n 2 0.745 -> 0.751 at 8K; from 16 MiB of logits on (next_n 2 from 16K,
-# next_n 1 from 32K) the hint was neutral to 0.01 slower, and slower at 64 MiB.
-PAGED_GLUON_EVICT_LAST_BYTES = 8 << 20
 PAGED_GLUON: dict[int, PagedGluonConfig] = {
-    1: PagedGluonConfig(num_stages=4, resident=4, warp_specialize=True, max_regs=64,
-                        evict_last_bytes=PAGED_GLUON_EVICT_LAST_BYTES),
-    2: PagedGluonConfig(num_stages=4, resident=3, warp_specialize=True, max_regs=80,
-                        evict_last_bytes=PAGED_GLUON_EVICT_LAST_BYTES),
+    1: PagedGluonConfig(num_stages=4, resident=4, warp_specialize=True, max_regs=64),
+    2: PagedGluonConfig(num_stages=4, resident=3, warp_specialize=True, max_regs=80),
 }
 PAGED_GLUON_CP: dict[int, PagedGluonConfig] = {
     2: PagedGluonConfig(num_stages=4, resident=4, tma=False),

@@ -24,10 +24,7 @@ keys) per tile; one warpgroup computes:
 - the epilogue is ``k_scale * sum_h relu(s) w`` (the scale is applied after the head sum, as in
   the reference, so any fp32 scale is exact), ``-inf`` for keys a row does not see (past its
   visible length or the block table, or on a page id outside the cache), and a store of the 64
-  logits. Where the call's output is small enough to stay in L2
-  (``PagedGluonConfig.evict_last_bytes``, 8 MiB in the tables) the stores carry the L2
-  ``evict_last`` hint: the logits are not pushed out to memory by the key pages streaming through
-  L2 during the call, and the top-k that reads them next finds them there.
+  logits.
 
 The key tiles ``[64, 128]`` (fp8) and their 64 fp32 scales come into a ring of ``STAGES`` buffers
 in one of three ways (``configs.indexer.PagedGluonConfig``):
@@ -43,8 +40,8 @@ in one of three ways (``configs.indexer.PagedGluonConfig``):
 
 Keys of the chunk past the request's longest visible length are filled with ``-inf`` without
 reading the cache. Every copy reads inside the cache: page ids outside ``[0, num_pages)`` read page
-0 (their keys are ``-inf``); padding tiles of the last iteration read the chunk's last page again
-(the loader partition: an L2 hit), a valid page (TMA) or nothing (masked ``cp.async``).
+0 (their keys are ``-inf``); padding tiles of the last iteration read a valid page (TMA) or nothing
+(masked ``cp.async``).
 
 On the host, the TMA descriptors of a cache are built once and reused while the cache keeps its
 address, shape and strides (``_cached_descriptors``, the last ``DESCRIPTOR_CACHE_SIZE`` caches), and
@@ -181,12 +178,11 @@ if gluon is not None:
                 gl.store(p_row1 + t0 + o_f, b_inf, mask=t0 + o_f < c1)
 
     @gluon.jit
-    def _indexer_paged_gluon_row(b_s, b_w, b_sc, o_t, vis, m_pg, p_row, c1, EV: gl.constexpr):
-        """Logits of one row against one key tile: ``[PAGE]`` stored at ``p_row + o_t`` with the L2
-        eviction policy ``EV`` (``""`` or ``"evict_last"``)."""
+    def _indexer_paged_gluon_row(b_s, b_w, b_sc, o_t, vis, m_pg, p_row, c1):
+        """Logits of one row against one key tile: ``[PAGE]`` stored at ``p_row + o_t``."""
         b_l = gl.sum(gl.maximum(b_s, 0.0) * gl.expand_dims(b_w, 0), axis=1) * b_sc  # [PAGE]
         b_l = gl.where((o_t < vis) & m_pg, b_l, float("-inf"))
-        gl.store(p_row + o_t, b_l, mask=o_t < c1, eviction_policy=EV)
+        gl.store(p_row + o_t, b_l, mask=o_t < c1)
 
     @gluon.jit
     def _indexer_paged_gluon_rows(q_smem, q_ptr, w_ptr, out_ptr, i_b, next_n, H, stride_out, NP: gl.constexpr,
@@ -215,7 +211,7 @@ if gluon is not None:
         q_ptr, kv_ptr, k_desc, sc_desc, w_ptr, ctx_ptr, bt_ptr, out_ptr,
         H, max_ctx, num_pages, max_blocks, stride_bt, stride_page, page_rows, stride_out, next_n, chunk,
         NP: gl.constexpr, D: gl.constexpr, HP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-        UNROLL: gl.constexpr, TMA: gl.constexpr, CTX_2D: gl.constexpr, NUM_WARPS: gl.constexpr, EV: gl.constexpr,
+        UNROLL: gl.constexpr, TMA: gl.constexpr, CTX_2D: gl.constexpr, NUM_WARPS: gl.constexpr,
     ):
         gl.static_assert(STAGES >= 3)
         gl.static_assert((NP == 1) | (NP == 2))
@@ -300,7 +296,7 @@ if gluon is not None:
                 o_t = c0 + j * PAGE + o_n
                 if NP == 2:
                     b_s = warpgroup_mma_wait(1, deps=[t_r0])
-                    _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1, EV)
+                    _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1)
                 # cp.async groups up to tile j + STAGES - 2
                 _indexer_paged_gluon_landed(bars, j + 1, n_it, STAGES - 3, STAGES, TMA)
                 cta_barrier()
@@ -313,25 +309,25 @@ if gluon is not None:
                         t_n0 = warpgroup_mma(k_smem.index(st_n), q_smem.index(0).permute((1, 0)), b_zero,
                                              use_acc=False, is_async=True)
                         b_s = warpgroup_mma_wait(1, deps=[t_r1])
-                        _indexer_paged_gluon_row(b_s, b_w1, b_sc, o_t, vis1, m_pg, p_row1, c1, EV)
+                        _indexer_paged_gluon_row(b_s, b_w1, b_sc, o_t, vis1, m_pg, p_row1, c1)
                         t_n1 = warpgroup_mma(k_smem.index(st_n), q_smem.index(1).permute((1, 0)), b_zero,
                                              use_acc=False, is_async=True)
                         t_r0 = t_n0
                         t_r1 = t_n1
                     else:
                         b_s = warpgroup_mma_wait(0, deps=[t_r1])
-                        _indexer_paged_gluon_row(b_s, b_w1, b_sc, o_t, vis1, m_pg, p_row1, c1, EV)
+                        _indexer_paged_gluon_row(b_s, b_w1, b_sc, o_t, vis1, m_pg, p_row1, c1)
                 else:
                     # one row: tile j + 1's MMA runs during tile j's epilogue
                     if u < UNROLL - 1:
                         t_n0 = warpgroup_mma(k_smem.index(st_n), q_smem.index(0).permute((1, 0)), b_zero,
                                              use_acc=False, is_async=True)
                         b_s = warpgroup_mma_wait(1, deps=[t_r0])
-                        _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1, EV)
+                        _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1)
                         t_r0 = t_n0
                     else:
                         b_s = warpgroup_mma_wait(0, deps=[t_r0])
-                        _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1, EV)
+                        _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1)
         async_copy.wait_group(0)
 
         _indexer_paged_gluon_fill(p_row0, p_row1, c0 + n_tiles * PAGE, c1, NP, PAGE, NUM_WARPS)
@@ -341,8 +337,7 @@ if gluon is not None:
                                        page_rows, k_smem, sc_smem, full_bars, empty_bars,
                                        PAGE: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
         """Loader partition (one warp): TMA copies of every tile into the buffer the consumers released;
-        the block-table entry of the next tile is read one tile ahead. ``last``: the block-table entry of
-        the chunk's last tile (padding tiles read that page again, from L2)."""
+        the block-table entry of the next tile is read one tile ahead."""
         p_bt = bt_ptr + i_b.to(gl.int64) * stride_bt
         i_pg_nx = gl.load(p_bt + gl.minimum(tile0, last))
         for t in range(n_it):
@@ -368,8 +363,7 @@ if gluon is not None:
                                          num_pages, tile0, last, c0, c1, vis0, vis1, n_it,
                                          k_smem, sc_smem, q_smem, full_bars, empty_bars,
                                          NP: gl.constexpr, D: gl.constexpr, HP: gl.constexpr, PAGE: gl.constexpr,
-                                         STAGES: gl.constexpr, UNROLL: gl.constexpr, NUM_WARPS: gl.constexpr,
-                                         EV: gl.constexpr):
+                                         STAGES: gl.constexpr, UNROLL: gl.constexpr, NUM_WARPS: gl.constexpr):
         """Compute partition (one warpgroup): ``q`` into shared memory, then per tile the MMAs of the rows
         and their epilogues, interleaved as in ``_indexer_paged_gluon_kernel``; each buffer is
         released as soon as its MMAs are complete and its scales read."""
@@ -408,14 +402,14 @@ if gluon is not None:
                 o_t = c0 + j * PAGE + o_n
                 if NP == 2:
                     b_s = warpgroup_mma_wait(1, deps=[t_r0])
-                    _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1, EV)
+                    _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1)
                     if u < UNROLL - 1:
                         mbarrier.wait(full_bars.index(st_n), ((j + 1) // STAGES) & 1)
                         t_n0 = warpgroup_mma(k_smem.index(st_n), q_smem.index(0).permute((1, 0)), b_zero,
                                              use_acc=False, is_async=True)
                         b_s = warpgroup_mma_wait(1, deps=[t_r1])
                         _indexer_paged_gluon_ws_release(empty_bars, st)
-                        _indexer_paged_gluon_row(b_s, b_w1, b_sc, o_t, vis1, m_pg, p_row1, c1, EV)
+                        _indexer_paged_gluon_row(b_s, b_w1, b_sc, o_t, vis1, m_pg, p_row1, c1)
                         t_n1 = warpgroup_mma(k_smem.index(st_n), q_smem.index(1).permute((1, 0)), b_zero,
                                              use_acc=False, is_async=True)
                         t_r0 = t_n0
@@ -423,7 +417,7 @@ if gluon is not None:
                     else:
                         b_s = warpgroup_mma_wait(0, deps=[t_r1])
                         _indexer_paged_gluon_ws_release(empty_bars, st)
-                        _indexer_paged_gluon_row(b_s, b_w1, b_sc, o_t, vis1, m_pg, p_row1, c1, EV)
+                        _indexer_paged_gluon_row(b_s, b_w1, b_sc, o_t, vis1, m_pg, p_row1, c1)
                 else:
                     if u < UNROLL - 1:
                         mbarrier.wait(full_bars.index(st_n), ((j + 1) // STAGES) & 1)
@@ -431,12 +425,12 @@ if gluon is not None:
                                              use_acc=False, is_async=True)
                         b_s = warpgroup_mma_wait(1, deps=[t_r0])
                         _indexer_paged_gluon_ws_release(empty_bars, st)
-                        _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1, EV)
+                        _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1)
                         t_r0 = t_n0
                     else:
                         b_s = warpgroup_mma_wait(0, deps=[t_r0])
                         _indexer_paged_gluon_ws_release(empty_bars, st)
-                        _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1, EV)
+                        _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1)
 
     @gluon.jit
     def _indexer_paged_gluon_ws_kernel(
@@ -444,7 +438,6 @@ if gluon is not None:
         H, max_ctx, num_pages, max_blocks, stride_bt, page_rows, stride_out, next_n, chunk,
         NP: gl.constexpr, D: gl.constexpr, HP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
         UNROLL: gl.constexpr, CTX_2D: gl.constexpr, NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-        EV: gl.constexpr,
     ):
         """Warp-specialised: a one-warp TMA loader feeds the compute warpgroup through ``full`` /
         ``empty`` mbarriers of ``STAGES`` buffers (no CTA barrier per tile)."""
@@ -454,8 +447,7 @@ if gluon is not None:
         i_c = gl.program_id(1)
         vis0, vis1, c0, c1, n_tiles = _indexer_paged_gluon_window(ctx_ptr, i_b, i_c, next_n, max_ctx, max_blocks,
                                                                   chunk, NP, PAGE, CTX_2D)
-        n_it = gl.cdiv(n_tiles, UNROLL) * UNROLL  # tiles computed (padding tiles read the last page again)
-        last_ld = gl.maximum(gl.minimum(c0 // PAGE + n_tiles - 1, max_blocks - 1), 0)
+        n_it = gl.cdiv(n_tiles, UNROLL) * UNROLL  # tiles computed (padding tiles read a valid page)
 
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D], KQ_SL)
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [NP, HP, D], KQ_SL)
@@ -471,8 +463,8 @@ if gluon is not None:
             (_indexer_paged_gluon_ws_consumer, (q_ptr, w_ptr, bt_ptr, out_ptr, i_b, H, next_n, stride_bt, stride_out,
                                                 num_pages, c0 // PAGE, max_blocks - 1, c0, c1, vis0, vis1, n_it,
                                                 k_smem, sc_smem, q_smem, full_bars, empty_bars,
-                                                NP, D, HP, PAGE, STAGES, UNROLL, NUM_WARPS, EV)),
-            (_indexer_paged_gluon_ws_loader, (k_desc, sc_desc, bt_ptr, i_b, stride_bt, c0 // PAGE, last_ld,
+                                                NP, D, HP, PAGE, STAGES, UNROLL, NUM_WARPS)),
+            (_indexer_paged_gluon_ws_loader, (k_desc, sc_desc, bt_ptr, i_b, stride_bt, c0 // PAGE, max_blocks - 1,
                                               n_it, num_pages, page_rows, k_smem, sc_smem, full_bars, empty_bars,
                                               PAGE, D, STAGES)),
         ], [1], [LOADER_REGS])
@@ -643,8 +635,7 @@ def _launch_plan(B: int, next_n: int, H: int, max_context_len: int, tma_ok: bool
     chunk = chunk or cfgs.paged_chunk(B, max_context_len, num_sms, PAGE, cfg.resident)
     chunk = triton.cdiv(chunk, PAGE) * PAGE
     grid = (B, triton.cdiv(max_context_len, chunk))
-    evict_last = B * next_n * max_context_len * 4 <= cfg.evict_last_bytes
-    return cfg, chunk, grid, _constexprs(next_n, cfgs.padded_heads(H), cfg, ctx_2d, evict_last)
+    return cfg, chunk, grid, _constexprs(next_n, cfgs.padded_heads(H), cfg, ctx_2d)
 
 
 def fp8_paged_mqa_logits_gluon(
@@ -702,9 +693,9 @@ def fp8_paged_mqa_logits_gluon(
     return out
 
 
-def _constexprs(rows: int, hp: int, cfg: cfgs.PagedGluonConfig, ctx_2d: bool, evict_last: bool) -> dict:
+def _constexprs(rows: int, hp: int, cfg: cfgs.PagedGluonConfig, ctx_2d: bool) -> dict:
     out = dict(NP=rows, D=HEAD_DIM, HP=hp, PAGE=PAGE, STAGES=cfg.num_stages, UNROLL=cfg.unroll, CTX_2D=ctx_2d,
-               NUM_WARPS=NUM_WARPS, EV="evict_last" if evict_last else "")
+               NUM_WARPS=NUM_WARPS)
     if cfg.warp_specialize:
         out["LOADER_REGS"] = cfg.loader_regs
     else:
@@ -713,12 +704,11 @@ def _constexprs(rows: int, hp: int, cfg: cfgs.PagedGluonConfig, ctx_2d: bool, ev
 
 
 def compile_for_sm90(config: cfgs.PagedGluonConfig | None = None, hp: int = 64, next_n: int = 2,
-                     ctx_2d: bool = False, arch: int = 90, evict_last: bool = False):
+                     ctx_2d: bool = False, arch: int = 90):
     """Compile the kernel of ``config`` (default: the TMA table entry of ``next_n``) ahead of time for
     ``sm_<arch>`` (no GPU needed) with the runtime's argument specialisation (16-byte aligned
-    pointers and strides; ``evict_last``: the logits stores' L2 hint); returns Triton's compiled
-    kernel (``metadata.shared``: shared memory per program in bytes). Requires Gluon
-    (``gluon_importable``)."""
+    pointers and strides); returns Triton's compiled kernel (``metadata.shared``: shared memory per
+    program in bytes). Requires Gluon (``gluon_importable``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -728,7 +718,7 @@ def compile_for_sm90(config: cfgs.PagedGluonConfig | None = None, hp: int = 64, 
     names = fn.arg_names
     ptrs = {"q_ptr": "*fp8e4nv", "kv_ptr": "*u8", "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32",
             "out_ptr": "*fp32"}
-    consts = _constexprs(next_n, hp, cfg, ctx_2d, evict_last)
+    consts = _constexprs(next_n, hp, cfg, ctx_2d)
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     if cfg.tma:  # descriptors of a small cache on the host: only their types matter
         k_desc, sc_desc, _ = _tma_descriptors(torch.zeros(4, PAGE, 1, HEAD_DIM + 4, dtype=torch.uint8))

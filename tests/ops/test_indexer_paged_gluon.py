@@ -213,8 +213,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         launches += [(n, c, True) for n, c in ci.PAGED_GLUON_CP.items()] + [(1, G._FALLBACK, False)]
         for next_n, cfg, shipped in launches:
             for ctx_2d in (False, True):
-                k = G.compile_for_sm90(cfg, hp=64, next_n=next_n, ctx_2d=ctx_2d,
-                                       evict_last=cfg.evict_last_bytes > 0 and ctx_2d)
+                k = G.compile_for_sm90(cfg, hp=64, next_n=next_n, ctx_2d=ctx_2d)
                 rows.append([next_n, repr(cfg), ctx_2d, int(k.metadata.shared),
                              cfg.shared_bytes_estimate(128, 64, next_n), shipped, cfg.resident,
                              cfg.max_regs, cfg.warp_specialize])
@@ -254,9 +253,7 @@ def _fuzz_configs() -> list:
     from nsa_backend.configs.indexer import PagedGluonConfig as C
 
     return [None, None, None, C(3, 3, unroll=1, tma=False), C(6, 3, unroll=4, tma=False), C(4, 4, tma=True),
-            C(6, 3, warp_specialize=True, max_regs=80), C(3, 3, unroll=1, warp_specialize=True, max_regs=80),
-            C(4, 3, unroll=4, tma=False, evict_last_bytes=1 << 40),
-            C(4, 3, warp_specialize=True, max_regs=80, evict_last_bytes=1 << 40)]
+            C(6, 3, warp_specialize=True, max_regs=80), C(3, 3, unroll=1, warp_specialize=True, max_regs=80)]
 
 
 _FUZZ_CONFIGS = _fuzz_configs()
