@@ -279,6 +279,26 @@ def _fuzz_cases(n: int, seed: int) -> list[dict]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ws", [False, True], ids=["shipped-table", "ws-4-3"])
+def test_gluon_paged_one_key_two_rows_gpu(ws):
+    """One request of one key at next_n 2 (row 0 sees no key, row 1 one key), a padded page stride,
+    chunks of 128 keys and one extra output column: a case a hinted variant of the warp-specialised
+    launch got wrong (max error 2 % of the logit)."""
+    if not on_sm90_gluon():
+        pytest.skip("needs sm_90 and Gluon")
+    from nsa_backend.configs.indexer import PagedGluonConfig as C
+    from nsa_backend.kernels.indexer_paged_gluon import fp8_paged_mqa_logits_gluon
+
+    config = C(4, 3, warp_specialize=True, max_regs=80) if ws else None
+    for seed in (120, 121, 122):
+        q, cache, w, ctx, table, max_len = _paged_case(1, 24, [1], False, 16, bad_pages=False, device="cuda",
+                                                       seed=seed, next_n=2)
+        want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len + 1)
+        out = fp8_paged_mqa_logits_gluon(q, cache, w, ctx, table, max_len + 1, config=config, chunk=128)
+        _assert_logits(out, want, what=f"seed {seed}")
+
+
+@pytest.mark.gpu
 def test_gluon_paged_gpu_fuzz():
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
