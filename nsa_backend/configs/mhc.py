@@ -14,9 +14,6 @@ so the tables below aim at bytes in flight, not at tensor-core shapes. Two paths
   memory fits the architecture (``SHARED_MEMORY_LIMIT``), and small ``M`` shrinks ``block_m`` to
   the next power of two (at least 16) to skip idle MMA rows.
 
-The Gluon kernel of ``nsa_backend/kernels/mhc_gluon.py`` (sm_90, ``N <= 32``) has its own table
-(``GLUON_ROUTES``, :class:`GluonConfig`, :func:`gluon_route`), off by default (``GLUON_ENABLED``).
-
 The ahead-of-time test compiles every configuration :func:`shipped_configs` can return and checks
 the compiler's shared-memory number. ``PROGRAMS_PER_SM`` and ``MIN_CHUNK_K`` drive the split of K
 across programs (see ``nsa_backend.kernels.mhc.split_plan``): enough programs to fill the GPU, but no
@@ -86,8 +83,6 @@ LATE_DEPENDENTS = True
 # differed from run to run. SYNC_MMA uses the product in the same step, so Triton waits for it
 # before issuing the next loads: correct whatever ptxas does.
 SYNC_MMA = True
-# K chunks of a split: contiguous column ranges (False) or every NUM_CHUNKS-th block of the split (True).
-STRIDED_CHUNKS = False
 SPLIT_B_BLOCK = 2048
 SPLIT_B_NUM_WARPS = 4
 
@@ -144,60 +139,6 @@ PARTS_ROUTES: tuple[tuple[int, GemmConfig, int], ...] = (
     (3072, GemmConfig(64, 128, 4, 3), 2),
     (1 << 62, GemmConfig(128, 128, 8, 4), 1),
 )
-
-
-@dataclass(frozen=True)
-class GluonConfig:
-    """One launch of the Gluon kernel (``nsa_backend/kernels/mhc_gluon.py``): row tile, ring depth (stages
-    of a ``[block_m, 64]`` bf16 tile of ``a`` and a ``[32, 64]`` fp32 slice of ``b``), registers of the
-    loader warp, partial sums read at once by a row tile's last chunk, warps of the compute partition (4
-    or 8: one or two warpgroups; 8 needs at least 128 rows) and programs per SM the chunks are planned
-    for."""
-
-    block_m: int
-    num_stages: int
-    loader_regs: int = 40
-    fix_unroll: int = 4
-    num_warps: int = 4
-    programs_per_sm: int = 1
-    presplit: bool = False
-    pdl: bool = True
-
-    def shared_bytes_estimate(self) -> int:
-        """The ring, two buffers of the stacked ``[64, 64]`` bf16 parts of ``b``, the epilogue's exchange of
-        the ``[block_m, 32]`` fp32 result and 2 KiB for the mbarriers and the compiler's scratch."""
-        if self.presplit:  # the stacked bf16 parts come with each stage
-            return self.num_stages * (self.block_m * 64 * 2 + 64 * 64 * 2) + self.block_m * 32 * 4 + 2048
-        return (self.num_stages * (self.block_m * 64 * 2 + 32 * 64 * 4) + 2 * 64 * 64 * 2 + self.block_m * 32 * 4
-                + 2048)
-
-
-# Gluon kernel (sm_90, N <= 32): (max_m, config), the first row with M <= max_m; the launcher takes it where
-# GLUON_ENABLED, the arch is in GLUON_ARCHS and M >= GLUON_MIN_M. Off: H200, graph, N = 24, K = 28672, the
-# routes below read a at 0.48-0.49 / 0.65-0.66 / 0.77-0.80 / 0.88-0.89 / 0.97 of the copy rate at M = 1024 / 2048
-# / 4096 / 8192 / 16384 against 0.53-0.54 / 0.69-0.70 / 0.81-0.83 / 0.91-0.93 / 0.94-1.01 for the stacked-parts
-# path in the same runs (bench/results/h200/tuning/mhc.parts.md, sweeps O-P).
-GLUON_ENABLED = False
-GLUON_ARCHS: tuple[int, ...] = (90,)
-GLUON_MIN_M = 65
-GLUON_ROUTES: tuple[tuple[int, GluonConfig], ...] = (
-    (4096, GluonConfig(128, 6, num_warps=8)),
-    (1 << 62, GluonConfig(128, 8, num_warps=8, presplit=True)),
-)
-# Other launches the GPU tests run (the fuzz cycles through the routes and these).
-GLUON_TEST_CONFIGS: tuple[GluonConfig, ...] = (
-    GluonConfig(64, 8), GluonConfig(256, 4, num_warps=8), GluonConfig(128, 3, fix_unroll=1),
-    GluonConfig(64, 2, fix_unroll=2, programs_per_sm=2), GluonConfig(128, 6, num_warps=8, presplit=True),
-    GluonConfig(256, 3, num_warps=8, presplit=True), GluonConfig(64, 4, fix_unroll=2, presplit=True, pdl=False),
-)
-
-
-def gluon_route(m: int, n: int, arch: int | None) -> GluonConfig | None:
-    """Configuration of the Gluon kernel for ``m`` rows and ``n`` columns on ``sm_<arch>``, or ``None``
-    where the ``tl`` kernels take the call."""
-    if not GLUON_ENABLED or arch not in GLUON_ARCHS or n > 32 or m < GLUON_MIN_M:
-        return None
-    return next(cfg for max_m, cfg in GLUON_ROUTES if m <= max_m)
 
 
 def block_n_for(n: int) -> int:

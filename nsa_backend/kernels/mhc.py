@@ -39,12 +39,6 @@ Two ways to multiply with the fp32 ``b``, chosen by ``nsa_backend.configs.mhc.us
   and TF32 without parts (2-3x slower): ``bench/results/h200/tuning/mhc.parts.md``.
 - in-loop split: every step splits the fp32 ``b`` tile into the three parts in registers and runs
   three MMAs (the path for other archs, other N tiles, small M and the ``tf32`` precision).
-
-A Gluon kernel for sm_90 and ``N <= 32`` (``nsa_backend.kernels.mhc_gluon``: ``a`` streamed by TMA, the
-K chunks of a row tile added in the same launch) takes the call first where
-``nsa_backend.configs.mhc.gluon_route`` routes it; it is off (``GLUON_ENABLED``): on the H200 it was
-slower than the stacked-parts path at every measured M (0.63-0.66 of the copy rate at M = 2048 against
-0.69; tuning file, sweeps M-P).
 """
 
 from __future__ import annotations
@@ -72,7 +66,6 @@ __all__ = ["split_plan", "tf32_hc_prenorm_gemm_triton"]
                             and args["CHUNK_K"] % args["BLOCK_K"] == 0),
     "PARTS_TILE": lambda args: _parts_tile(args["PRECISION"]),
     "SYNC_MMA": lambda args: cfgs.SYNC_MMA,
-    "STRIDED": lambda args: cfgs.STRIDED_CHUNKS,
 })
 # N stays unspecialised: with N a multiple of 16 (e.g. 32) the stacked-parts variant compiled under
 # triton 3.6 for sm_90 gave wrong sums on the H200 (before SYNC_MMA: the in-flight product's a tile
@@ -103,7 +96,6 @@ def _mhc_prenorm_gemm_kernel(
     PARTS_TILE: tl.constexpr,
     BF16_DOT_AS_FP32: tl.constexpr,
     SYNC_MMA: tl.constexpr,
-    STRIDED: tl.constexpr,
 ):
     # a: [M, K] bf16. b: [N, K] fp32, or with B_PARTS its bf16 parts [P, N, K] (b = hi + mid + lo for
     # bf16x3, hi + lo for bf16x2). d: slot i_t at d_ptr + i_t * stride_dt, [M, N] fp32; sq: slot i_t at
@@ -118,16 +110,8 @@ def _mhc_prenorm_gemm_kernel(
     i_m, i_t = tl.program_id(0), tl.program_id(1)
     i_s = i_t // NUM_CHUNKS
     i_c = i_t % NUM_CHUNKS
-    if STRIDED:
-        # chunk i_c takes every NUM_CHUNKS-th block of the split: the chunks of a row tile read
-        # neighbouring columns of the same rows at the same time
-        k_lo = i_s * SPLIT_K + i_c * BLOCK_K
-        k_hi = tl.minimum(i_s * SPLIT_K + SPLIT_K, K)
-        k_step = NUM_CHUNKS * BLOCK_K
-    else:
-        k_lo = i_s * SPLIT_K + i_c * CHUNK_K
-        k_hi = tl.minimum(tl.minimum(i_s * SPLIT_K + SPLIT_K, K), k_lo + CHUNK_K)
-        k_step = BLOCK_K
+    k_lo = i_s * SPLIT_K + i_c * CHUNK_K
+    k_hi = tl.minimum(tl.minimum(i_s * SPLIT_K + SPLIT_K, K), k_lo + CHUNK_K)
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
@@ -147,7 +131,7 @@ def _mhc_prenorm_gemm_kernel(
     if SQ_2D:
         b_sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     b_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k in range(k_lo, k_hi, k_step):
+    for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             m_ak = m_m[:, None]
         else:
@@ -477,12 +461,6 @@ def tf32_hc_prenorm_gemm_triton(
     index = None
     if a.device.type == "cuda":
         index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    if index is not None:
-        from nsa_backend.kernels import mhc_gluon
-
-        if mhc_gluon.supported(a, b, num_splits, device_arch(a.device)):
-            mhc_gluon.tf32_hc_prenorm_gemm_gluon(a, b, d, sqr_sum, num_splits)
-            return
     block_n, config, plan, b_parts = _plan(M, N, K, splits, index)
     precision = cfgs.PARTS_PRECISION if b_parts else cfgs.DEFAULT_PRECISION
     pdl = b_parts and index is not None and _pdl_enabled(device_arch(a.device))
@@ -495,7 +473,6 @@ _GEMM_SIGNATURE: dict[str, str] = {
     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
     "B_PARTS": "constexpr", "SQ_2D": "constexpr", "USE_PDL": "constexpr", "LATE_DEPENDENTS": "constexpr",
     "EVEN_K": "constexpr", "PARTS_TILE": "constexpr", "BF16_DOT_AS_FP32": "constexpr", "SYNC_MMA": "constexpr",
-    "STRIDED": "constexpr",
 }
 _SPLIT_B_SIGNATURE: dict[str, str] = {
     "b_ptr": "*fp32", "bp_ptr": "*bf16", "NK": "i32", "NUM_PARTS": "constexpr", "BLOCK": "constexpr",
@@ -531,7 +508,7 @@ def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: b
                   "B_PARTS": b_parts, "SQ_2D": b_parts, "USE_PDL": pdl and b_parts,
                   "LATE_DEPENDENTS": cfgs.LATE_DEPENDENTS,
                   "EVEN_K": cfg.block_k == 64, "PARTS_TILE": _parts_tile(precision),
-                  "BF16_DOT_AS_FP32": False, "SYNC_MMA": cfgs.SYNC_MMA, "STRIDED": cfgs.STRIDED_CHUNKS}
+                  "BF16_DOT_AS_FP32": False, "SYNC_MMA": cfgs.SYNC_MMA}
     return signature, constexprs
 
 
