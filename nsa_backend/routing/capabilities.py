@@ -257,9 +257,9 @@ TABLE: tuple[Support, ...] = (
 )
 
 # Calls for which the Triton route is measured faster than a native kernel that runs them only on
-# zero-padded heads: "auto" then takes Triton. H200 (sm_90), bench/results/h200/results.md at 9f8cc41,
-# against FlashMLA on heads padded to 64: the few-head Gluon prefill 1.43x / 1.13x at h_q 16 / 32
-# (s_q 4096, topk 2048) and the few-head Gluon decode 1.17-1.25x at h_q 16 (B 32 / 128, s_q 1 / 2,
+# zero-padded heads: "auto" then takes Triton. H200 (sm_90), bench/results/h200/results.md at 1ebc68b,
+# against FlashMLA on heads padded to 64: the few-head Gluon prefill 1.50x / 1.13x at h_q 16 / 32
+# (s_q 4096, topk 2048) and the few-head Gluon decode 1.28-1.39x at h_q 16 (B 32 / 128, s_q 1 / 2,
 # topk 2048). Those kernels need Triton's Gluon on the device (``nsa_backend.kernels._gluon``); the
 # ``tl`` kernels that run without it are slower than the padded native kernel, so the preference
 # holds only where Gluon may run (:func:`gluon_usable`).
