@@ -73,6 +73,6 @@ _AOT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_mask_invalid_slots_compiles_for_every_arch():
+def test_mask_invalid_slots_aot_compile_every_arch():
     rows = run_aot_script(_AOT_SCRIPT, timeout=300, marker="AOT-ROWS ")
     assert_rows_fit(rows, {80, 86, 89, 90, 100, 120, 121})
