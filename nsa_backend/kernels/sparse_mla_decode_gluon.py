@@ -853,7 +853,8 @@ def sparse_mla_decode_gluon(
     the plan of :func:`decode_gluon_plan`; ``pair`` forces (``True``: 16-head blocks of 64 keys
     and no ``stages``, else ``ValueError``) or avoids the pair kernel, which by default takes 16-head
     blocks from ``PAIR_MIN_ROWS`` programs per split on when no ``stages`` are given; ``pair_options``
-    overrides entries of ``PAIR_OPTIONS`` for the pair kernel.
+    overrides entries of ``PAIR_OPTIONS`` for the pair kernel (``ValueError`` for other keys, or where the
+    pair kernel does not run).
     """
     from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS
     from nsa_backend.kernels._arch import device_sms
@@ -880,6 +881,11 @@ def sparse_mla_decode_gluon(
     elif pair and ((bh, bn) != (16, 64) or stages is not None):
         raise ValueError(f"pair=True runs 16-head blocks of 64 keys with its own staging; got block_h={bh}, "
                          f"block_n={bn}, stages={stages}")
+    if pair_options is not None:
+        unknown = sorted(set(pair_options) - set(PAIR_OPTIONS))
+        if unknown or not pair:
+            raise ValueError(f"pair_options: keys among {sorted(PAIR_OPTIONS)} for the pair kernel; got "
+                             f"{sorted(pair_options)} with pair={pair}")
     if pair:
         kernel = _sparse_mla_decode_gluon_pair_kernel
         common = dict(

@@ -113,15 +113,21 @@ def test_gluon_decode_compiles_for_sm90_within_shared_memory():
         assert spills == 0, f"{kind} sm_{arch} {cfg}: {spills} local-memory stores"
 
 
-@pytest.mark.parametrize("kw", [{"pair": True, "block_h": 32}, {"pair": True, "stages": 2}])
-def test_gluon_decode_pair_override_checked(kw):
-    """Forcing the pair kernel where it cannot run is an error, before any launch."""
+@pytest.mark.parametrize("kw, match", [
+    ({"pair": True, "block_h": 32}, "pair=True"),
+    ({"pair": True, "stages": 2}, "pair=True"),
+    ({"pair": True, "pair_options": {"STAGES": 2}}, "pair_options"),
+    ({"pair": False, "pair_options": {"LIGHT": 0}}, "pair_options"),
+])
+def test_gluon_decode_pair_override_checked(kw, match):
+    """Forcing the pair kernel where it cannot run, or options it does not have, is an error before any
+    launch."""
     from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 
     q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
     cache = torch.zeros(2, 64, 656, dtype=torch.uint8)
     idx = torch.zeros(1, 1, 64, dtype=torch.int32)
-    with pytest.raises(ValueError, match="pair=True"):
+    with pytest.raises(ValueError, match=match):
         sparse_mla_decode_gluon(q, cache, idx, 0.1, **kw)
 
 
