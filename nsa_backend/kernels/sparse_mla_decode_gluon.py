@@ -43,7 +43,7 @@ half buffers, each refilled once the tile that used it is converted, and the rop
 into 2 MMA-ready buffers, refilled once the scores of the tile that used it are done. Its copies are
 laid out so that 8 lanes copy 128 contiguous bytes of one row (2 rows per thread and half tile), with
 the page and row of a slot from unsigned arithmetic: 267 instructions per tile instead of 794 when
-each thread copied 16 bytes of 8 rows (``PAIR_OPTIONS["LIGHT"] = 0``); the loader shares the SM
+each thread copied 16 bytes of 8 rows (the layout of the kernel above); the loader shares the SM
 sub-partitions with the compute warps, and the loop time follows the instructions they issue. Shared
 memory: 221,728 B. The ``P V`` MMAs are waited in the iteration that issues them (left in flight
 across the back edge, ptxas serialises every wgmma). H200 (h_q 16, topk 2048, page 64, CUDA graphs,
@@ -102,11 +102,9 @@ LOADER_REGS = 96
 # Whether 16-head blocks take the pair kernel (two compute warpgroups on alternate tiles) and its
 # launch constants: half-tile staging buffers of latent bytes and scales, tile buffers of rope values,
 # contiguous elements per thread in the conversion, registers per thread of each compute warpgroup
-# (the loader partition gets the rest: 80 at 216, no spills; 224 spills in the loader) and the
-# loader's copy layout (1: 128-byte runs, two rows per thread and half tile; 0: 16 bytes of 8 rows).
+# (the loader partition gets the rest: 80 at 216, no spills; 224 spills in the loader).
 PAIR = True
-PAIR_OPTIONS: dict[str, int] = {"LAT_STAGES": 3, "ROPE_STAGES": 2, "DQ_VEC": 8, "COMPUTE_REGS": 216,
-                                "LIGHT": 1}
+PAIR_OPTIONS: dict[str, int] = {"LAT_STAGES": 3, "ROPE_STAGES": 2, "DQ_VEC": 8, "COMPUTE_REGS": 216}
 # The pair kernel from this many programs per split on (query rows times head blocks); fewer rows
 # take the kernel above (H200, h_q 16: B 32 s_q 1 37.6 against 41.0 us, B 16 s_q 1 30.9 against 28.9).
 PAIR_MIN_ROWS = 32
@@ -121,23 +119,16 @@ def _plan_default(h_q: int) -> tuple[int, int, int]:
 if gluon is not None:
 
     @gluon.jit
-    def _sparse_mla_decode_gluon_rows(b_idx, o_n, n_stop, n_slots, PAGE: gl.constexpr, stride_page,
-                                      stride_row):
-        """Byte offsets of the cache rows of slots ``b_idx`` (positions ``o_n``) and their validity."""
+    def _sparse_mla_decode_gluon_rows(b_idx, o_n, n_stop, n_slots, PAGE: gl.constexpr, stride_page, stride_row,
+                                      UNSIGNED: gl.constexpr):
+        """Byte offsets of the cache rows of slots ``b_idx`` (positions ``o_n``) and their validity; with
+        ``UNSIGNED`` the page and row of a slot come from its unsigned value (no sign fix-ups in the division)."""
         m_n = (o_n < n_stop) & (b_idx >= 0) & (b_idx < n_slots)
         b_slot = gl.where(m_n, b_idx, 0)
+        if UNSIGNED:
+            b_slot = b_slot.to(gl.uint32)
         o_row = (b_slot // PAGE).to(gl.int64) * stride_page + (b_slot % PAGE).to(gl.int64) * stride_row
         # the launcher checks that the cache and its strides are 16-byte aligned
-        return gl.multiple_of(o_row, 16), m_n
-
-    @gluon.jit
-    def _sparse_mla_decode_gluon_rows_u(b_idx, o_n, n_stop, n_slots, PAGE: gl.constexpr, stride_page,
-                                        stride_row):
-        """``_sparse_mla_decode_gluon_rows`` with the page and row of a slot taken from its unsigned value
-        (no sign fix-ups in the division)."""
-        m_n = (o_n < n_stop) & (b_idx >= 0) & (b_idx < n_slots)
-        b_slot = gl.where(m_n, b_idx, 0).to(gl.uint32)
-        o_row = (b_slot // PAGE).to(gl.int64) * stride_page + (b_slot % PAGE).to(gl.int64) * stride_row
         return gl.multiple_of(o_row, 16), m_n
 
     @gluon.jit
@@ -175,15 +166,15 @@ if gluon is not None:
             # wait until the compute warps released this buffer (passes at once on its first use)
             mbarrier.wait(empty_bars.index(st), ((j // STAGES) & 1) ^ 1)
             o_row, m_n = _sparse_mla_decode_gluon_rows(c_il, n0 + o_lat, n_stop, n_slots, PAGE, stride_page,
-                                                       stride_row)
+                                                       stride_row, False)
             p_lat = kv_ptr + gl.expand_dims(o_row, 1) + c_lat
             cp_async(lat_smem.index(st), p_lat, mask=gl.expand_dims(m_n, 1))
             o_row, m_n = _sparse_mla_decode_gluon_rows(c_ir, n0 + o_rp, n_stop, n_slots, PAGE, stride_page,
-                                                       stride_row)
+                                                       stride_row, False)
             p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.bfloat16))
             cp_async(rope_smem.index(st), gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_n, 1))
             o_row, m_n = _sparse_mla_decode_gluon_rows(c_is, n0 + o_sc, n_stop, n_slots, PAGE, stride_page,
-                                                       stride_row)
+                                                       stride_row, False)
             p_sc = (kv_ptr + o_row + 512).to(gl.pointer_type(gl.float32))
             cp_async(sc_smem.index(st), gl.expand_dims(p_sc, 1) + c_sc, mask=gl.expand_dims(m_n, 1))
             async_copy.mbarrier_arrive(full_bars.index(st), increment_count=False)
@@ -376,26 +367,14 @@ if gluon is not None:
             return buf._reinterpret(gl.float32, [128, BLOCK_H], O_SL)
 
     @gluon.jit
-    def _sparse_mla_decode_gluon_rows_sel(b_idx, o_n, n_stop, n_slots, PAGE: gl.constexpr, stride_page,
-                                          stride_row, LIGHT: gl.constexpr):
-        """The row offsets of the light loaders (unsigned page arithmetic) or the previous ones."""
-        if LIGHT:
-            o_row, m_n = _sparse_mla_decode_gluon_rows_u(b_idx, o_n, n_stop, n_slots, PAGE, stride_page,
-                                                         stride_row)
-        else:
-            o_row, m_n = _sparse_mla_decode_gluon_rows(b_idx, o_n, n_stop, n_slots, PAGE, stride_page, stride_row)
-        return o_row, m_n
-
-    @gluon.jit
     def _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il, c_is, o_lat, o_sc, c_lat, c_sc, n0, n_stop, n_slots,
-                                           lat, sc, PAGE: gl.constexpr, stride_page, stride_row,
-                                           LIGHT: gl.constexpr):
+                                           lat, sc, PAGE: gl.constexpr, stride_page, stride_row):
         """``cp.async`` of one half tile's latent bytes and group scales (invalid slots zero-filled)."""
-        o_row, m_n = _sparse_mla_decode_gluon_rows_sel(c_il, n0 + o_lat, n_stop, n_slots, PAGE, stride_page,
-                                                        stride_row, LIGHT)
+        o_row, m_n = _sparse_mla_decode_gluon_rows(c_il, n0 + o_lat, n_stop, n_slots, PAGE, stride_page, stride_row,
+                                                   True)
         cp_async(lat, kv_ptr + gl.expand_dims(o_row, 1) + c_lat, mask=gl.expand_dims(m_n, 1))
-        o_row, m_n = _sparse_mla_decode_gluon_rows_sel(c_is, n0 + o_sc, n_stop, n_slots, PAGE, stride_page,
-                                                        stride_row, LIGHT)
+        o_row, m_n = _sparse_mla_decode_gluon_rows(c_is, n0 + o_sc, n_stop, n_slots, PAGE, stride_page, stride_row,
+                                                   True)
         p_sc = (kv_ptr + o_row + 512).to(gl.pointer_type(gl.float32))
         cp_async(sc, gl.expand_dims(p_sc, 1) + c_sc, mask=gl.expand_dims(m_n, 1))
 
@@ -405,7 +384,7 @@ if gluon is not None:
         stride_q_row, stride_q_head, stride_idx_row, stride_page, stride_row,
         q_smem, qr_smem, lat_smem, sc_smem, rope_smem, q_bar, lat_full, conv_bars, rope_full, rope_empty,
         PAGE: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr, LAT_STAGES: gl.constexpr,
-        ROPE_STAGES: gl.constexpr, LW: gl.constexpr, LIGHT: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, LW: gl.constexpr,
     ):
         """Loader partition (the default one) of the pair kernel: ``q`` once, then per tile the latent
         bytes and scales of its two halves of ``HALF`` slots into the ``LAT_STAGES`` half buffers and
@@ -413,13 +392,9 @@ if gluon is not None:
         partition of its previous tile released it."""
         L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
         L_QR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
-        if LIGHT:
-            # 128 contiguous bytes of a row per 8 lanes: two rows per thread and half tile
-            L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LW, 1], [1, 0])
-            L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [LW, 1], [1, 0])
-        else:
-            L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LW, 1], [1, 0])
-            L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
+        # 128 contiguous bytes of a row per 8 lanes: two rows per thread and half tile
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LW, 1], [1, 0])
+        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [LW, 1], [1, 0])
         L_SC: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [LW, 1], [1, 0])
         BLOCK_N: gl.constexpr = 2 * HALF
         # q [BLOCK_H, 576] (zeros for heads past h_q)
@@ -468,8 +443,7 @@ if gluon is not None:
             mbarrier.wait(conv_bars.index(jj % 2), (jj // 2) & 1, pred=h >= LAT_STAGES)
             hs = h % LAT_STAGES
             _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il0, c_is0, o_lat, o_sc, c_lat, c_sc, n0, n_stop, n_slots,
-                                               lat_smem.index(hs), sc_smem.index(hs), PAGE, stride_page, stride_row,
-                                               LIGHT)
+                                               lat_smem.index(hs), sc_smem.index(hs), PAGE, stride_page, stride_row)
             async_copy.mbarrier_arrive(lat_full.index(hs), increment_count=False)
             h = 2 * j + 1
             jj = gl.maximum(h - LAT_STAGES, 0) // 2
@@ -477,13 +451,13 @@ if gluon is not None:
             hs = h % LAT_STAGES
             _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il1, c_is1, o_lat, o_sc, c_lat, c_sc, n0 + HALF, n_stop,
                                                n_slots, lat_smem.index(hs), sc_smem.index(hs), PAGE, stride_page,
-                                               stride_row, LIGHT)
+                                               stride_row)
             async_copy.mbarrier_arrive(lat_full.index(hs), increment_count=False)
             # rope values of the whole tile
             rs = j % ROPE_STAGES
             mbarrier.wait(rope_empty.index(rs), ((j // ROPE_STAGES) & 1) ^ 1)
-            o_row, m_n = _sparse_mla_decode_gluon_rows_sel(c_ir, n0 + o_rp, n_stop, n_slots, PAGE, stride_page,
-                                                            stride_row, LIGHT)
+            o_row, m_n = _sparse_mla_decode_gluon_rows(c_ir, n0 + o_rp, n_stop, n_slots, PAGE, stride_page,
+                                                       stride_row, True)
             p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.bfloat16))
             cp_async(rope_smem.index(rs), gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_n, 1))
             async_copy.mbarrier_arrive(rope_full.index(rs), increment_count=False)
@@ -647,7 +621,7 @@ if gluon is not None:
         stride_ob, stride_or, stride_os, stride_oh,
         stride_lb, stride_lr, stride_ls, stride_lh,
         PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, LAT_STAGES: gl.constexpr,
-        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr, LIGHT: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr,
         SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
         HAS_TOPK_LEN: gl.constexpr, COMPUTE_REGS: gl.constexpr,
     ):
@@ -714,7 +688,7 @@ if gluon is not None:
                 q_ptr, kv_ptr, idx_ptr, i_r, i_h, h_q, n_start, n_stop, n_tiles, n_slots,
                 stride_q_row, stride_q_head, stride_idx_row, stride_page, stride_row,
                 q_smem, qr_smem, lat_smem, sc_smem, rope_smem, q_bar, lat_full, conv_bars, rope_full,
-                rope_empty, PAGE, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, 4, LIGHT)),
+                rope_empty, PAGE, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, 4)),
             (_sparse_mla_decode_gluon_pair_worker, (
                 idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
                 lat_smem, sc_smem, rope_smem, ka0, ka1, ka2, ka3, q_smem, qr_smem, p_smem0, ml_smem,

@@ -117,7 +117,7 @@ def test_gluon_decode_compiles_for_sm90_within_shared_memory():
     ({"pair": True, "block_h": 32}, "pair=True"),
     ({"pair": True, "stages": 2}, "pair=True"),
     ({"pair": True, "pair_options": {"STAGES": 2}}, "pair_options"),
-    ({"pair": False, "pair_options": {"LIGHT": 0}}, "pair_options"),
+    ({"pair": False, "pair_options": {"DQ_VEC": 8}}, "pair_options"),
 ])
 def test_gluon_decode_pair_override_checked(kw, match):
     """Forcing the pair kernel where it cannot run, or options it does not have, is an error before any
