@@ -24,7 +24,7 @@ from nsa_backend import reference as ref
 from tests.ops._aot import run_aot_script
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import on_sm90_gluon
-from tests.ops.test_indexer import _assert_logits
+from tests.ops.test_indexer import _assert_logits, _paged_term_scale
 
 FP8 = torch.float8_e4m3fn
 triton = pytest.importorskip("triton")
@@ -282,8 +282,9 @@ def _fuzz_cases(n: int, seed: int) -> list[dict]:
 @pytest.mark.parametrize("ws", [False, True], ids=["shipped-table", "ws-4-3"])
 def test_gluon_paged_one_key_two_rows_gpu(ws):
     """One request of one key at next_n 2 (row 0 sees no key, row 1 one key), a padded page stride,
-    chunks of 128 keys and one extra output column: a case a hinted variant of the warp-specialised
-    launch got wrong (max error 2 % of the logit)."""
+    chunks of 128 keys and one extra output column. Its only logit nearly cancels (head terms up to
+    about 20 summing to -0.17), so the fp8 MMA's rounding (4e-3 here) is checked against the size of
+    the terms: the bound of the result's own size would fail every correct kernel."""
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.configs.indexer import PagedGluonConfig as C
@@ -295,7 +296,10 @@ def test_gluon_paged_one_key_two_rows_gpu(ws):
                                                        seed=seed, next_n=2)
         want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len + 1)
         out = fp8_paged_mqa_logits_gluon(q, cache, w, ctx, table, max_len + 1, config=config, chunk=128)
-        _assert_logits(out, want, what=f"seed {seed}")
+        scale = _paged_term_scale(q, cache, w, ctx, table, max_len + 1)
+        if seed == 120:  # the case still cancels: its terms are far larger than its logit
+            assert scale > 10 * want[torch.isfinite(want)].abs().max().item()
+        _assert_logits(out, want, what=f"seed {seed}", scale=scale)
 
 
 @pytest.mark.gpu
@@ -311,7 +315,7 @@ def test_gluon_paged_gpu_fuzz():
         max_ctx = max_len + c["extra"]
         want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_ctx)
         out = fp8_paged_mqa_logits_gluon(q, cache, w, ctx, table, max_ctx, config=c["config"], chunk=c["chunk"])
-        _assert_logits(out, want, what=f"{c}")
+        _assert_logits(out, want, what=f"{c}", scale=_paged_term_scale(q, cache, w, ctx, table, max_ctx))
 
 
 @pytest.mark.gpu
