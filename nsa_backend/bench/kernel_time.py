@@ -3,9 +3,9 @@ a native kernel: ``python -m nsa_backend.bench.kernel_time [--quick] [--out PREF
 
 :func:`nsa_backend.bench.timing.bench_ms` (what the suite reports) records CUDA events around each
 call, here the replay of the call captured in a CUDA graph, after evicting the L2 cache. That time
-holds a fixed cost per call besides the kernels: on an H200 an empty kernel measures about 4 us
-that way, while the kernel itself runs for about 0.6 us. For a call of 20 us that cost is a fifth of
-the time, which the copy rate it is compared with (a 2 GiB copy) does not carry.
+holds a fixed cost per call besides the kernels: on an H200 an empty kernel measures 2.8-4.2 us
+that way, while the kernel itself runs for about 0.6 us. For a call of 20 us that cost is up to a
+fifth of the time, which the copy rate it is compared with (a 2 GiB copy) does not carry.
 
 :func:`kernel_span_ms` times the same graph replays with the profiler (``torch.profiler``, i.e.
 CUPTI's record of each kernel's start and end on the GPU) and takes, per call, the span from its
@@ -312,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nsa_backend.bench.kernel_time", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
+    parser.add_argument("--git-commit", default=None, help="commit recorded with the results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_time: needs a CUDA device (the profiler's record of GPU kernels); nothing measured")
@@ -321,12 +322,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     if args.out:
         cli = sys.argv[1:] if argv is None else list(argv)
-        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "commit": args.git_commit}
         command = "python -m nsa_backend.bench.kernel_time " + " ".join(cli)
         with open(args.out + ".json", "w") as f:
             json.dump({"command": command, "environment": env, "rows": rows}, f, indent=1)
         with open(args.out + ".md", "w") as f:
-            f.write(f"`{command}` on {env['gpu']} (torch {env['torch']}, triton {env['triton']})\n\n{text}")
+            f.write(f"`{command}` on {env['gpu']} (torch {env['torch']}, triton {env['triton']}, commit "
+                    f"{env['commit']})\n\n{text}")
     return 0
 
 
