@@ -20,7 +20,7 @@ The rows, each timed both ways in one process:
   the same pages, as bytes of KV per second over the copy rate;
 - ``tf32_hc_prenorm_gemm`` (N 24, K 28672, M 1024..16384) and a pure read of ``a``, as bytes of ``a``
   per second over the copy rate;
-- ``sparse_mla_decode`` (fp8_ds_mla, top-k 2048, B 32 and 128, s_q 1 and 2, h_q 16 / 64 / 128)
+- ``sparse_mla_decode`` (fp8_ds_mla, top-k 2048, B 32 and 128, s_q 1 and 2, h_q 16 / 32 / 64 / 128)
   against FlashMLA (heads padded to 64 where it has no kernel for h_q), when it imports.
 
 Ratios against the copy rate use the copy rate timed the same way as the row.
@@ -254,7 +254,7 @@ def _decode_case(evict: _Evictor, B: int, s_q: int, h_q: int) -> list[dict[str, 
 
 def _decode_rows(evict: _Evictor, quick: bool) -> list[dict[str, Any]]:
     rows = []
-    for h_q in (16,) if quick else (16, 64, 128):
+    for h_q in (16,) if quick else (16, 32, 64, 128):
         for B in (32, 128):
             for s_q in (1, 2):
                 rows += _decode_case(evict, B, s_q, h_q)

@@ -5,7 +5,7 @@ Shapes (``quick=False``):
 - prefill ``flash_mla_sparse_fwd``: ``s_q 4096``, ``s_kv 32768``, ``topk 2048``, ``d_qk 576``,
   ``h_q`` in {128, 64, 32, 16}. Useful FLOPs ``2 * s_q * h_q * topk * (d_qk + d_v)``.
 - decode ``sparse_mla_decode`` over an "fp8_ds_mla" cache (page 64, 8192 tokens per request):
-  ``B`` in {32, 128}, ``s_q`` in {1, 2}, ``topk 2048``, ``h_q`` in {128, 64, 16}. Bytes: the gathered
+  ``B`` in {32, 128}, ``s_q`` in {1, 2}, ``topk 2048``, ``h_q`` in {128, 64, 32, 16}. Bytes: the gathered
   656-byte tokens plus ``q`` and ``out``; ``gbps`` is reported next to the measured copy bandwidth.
 
 Prefill also times ``gather_kv``: a pure read of the same ``topk`` rows of 1152 bytes per query row
@@ -342,7 +342,7 @@ def run(quick: bool, limits: dict[str, Any]) -> list[dict[str, Any]]:
         torch.cuda.empty_cache()
     for B in (32, 128):
         for s_q in (1, 2):
-            for h in (128, 64, 16):
+            for h in (128, 64, 32, 16):
                 rows += bench_decode(B, s_q, h, 2048, device, copy, False)
                 torch.cuda.empty_cache()
     return rows
