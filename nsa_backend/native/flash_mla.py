@@ -74,12 +74,14 @@ def legacy_kwargs(func_name: str, d_qk: int, device: torch.device, fp8_cache: bo
 
 
 def _pad_dim(x: torch.Tensor, dim: int, target: int, value: float = 0.0) -> torch.Tensor:
+    """``x`` padded with ``value`` to ``target`` along ``dim`` (one launch: a graph-captured decode step
+    pays per kernel)."""
     extra = target - x.shape[dim]
     if extra <= 0:
         return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, x.new_full(shape, value)], dim=dim).contiguous()
+    widths = [0] * (2 * (x.dim() - dim % x.dim()))
+    widths[-1] = extra  # torch.nn.functional.pad lists the last dim first: (left, right) per dim
+    return torch.nn.functional.pad(x, widths, value=value)
 
 
 def _round_up(x: int, block: int) -> int:

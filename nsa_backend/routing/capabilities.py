@@ -257,18 +257,23 @@ TABLE: tuple[Support, ...] = (
 )
 
 # Calls for which the Triton route is measured faster than a native kernel that runs them only on
-# zero-padded heads: "auto" then takes Triton. H200 (sm_90), bench/results/h200/results.md at 1ebc68b,
-# against FlashMLA on heads padded to 64: the few-head Gluon prefill 1.50x / 1.13x at h_q 16 / 32
-# (s_q 4096, topk 2048) and the few-head Gluon decode 1.28-1.39x at h_q 16 (B 32 / 128, s_q 1 / 2,
-# topk 2048). Those kernels need Triton's Gluon on the device (``nsa_backend.kernels._gluon``); the
-# ``tl`` kernels that run without it are slower than the padded native kernel, so the preference
-# holds only where Gluon may run (:func:`gluon_usable`).
+# zero-padded heads: "auto" then takes Triton. H200 (sm_90), bench/results/h200/results.md (ee1dddf,
+# decode at 32 heads df14276), against FlashMLA on heads padded to 64: the few-head Gluon prefill
+# 1.43x / 1.11x at h_q 16 / 32 (s_q 4096, topk 2048); the few-head Gluon decode 1.28-1.38x at h_q 16
+# (B 32 / 128, s_q 1 / 2, topk 2048); at h_q 17-32 the 64-head Gluon decode on padded heads, 1.05-1.37x
+# faster than FlashMLA through this package (which pads q and copies the outputs back: 43.6 / 70.0 /
+# 121.6 / 239.8 us against 59.5 / 88.0 / 134.1 / 252.9 us at B 32 / 32 / 128 / 128, s_q 1 / 2 / 1 / 2;
+# a direct FlashMLA call on padded heads takes 47.6 / 73.5 / 114.0 / 220.5 us). Those kernels need
+# Triton's Gluon on the device (``nsa_backend.kernels._gluon``); the ``tl`` kernels that run without it
+# are slower than the padded native kernel, so the preference holds only where Gluon may run
+# (:func:`gluon_usable`).
 TRITON_OVER_PADDED: tuple[Support, ...] = (
     _row("flash_mla_sparse_fwd", "triton", SM90, num_heads=Range(1, 32), d_qk=OneOf((576,)),
          note="few-head Gluon prefill kernel: faster than FlashMLA on heads padded to 64"),
-    _row("sparse_mla_decode", "triton", SM90, num_heads=Range(1, 16), d_qk=OneOf((576,)),
+    _row("sparse_mla_decode", "triton", SM90, num_heads=Range(1, 32), d_qk=OneOf((576,)),
          kv_format=OneOf(("fp8_ds_mla",)), page_size=OneOf((64,)),
-         note="few-head Gluon decode kernel: faster than FlashMLA on heads padded to 64"),
+         note="Gluon decode kernels (few-head up to 16 heads, 64-head on padded heads above): faster than "
+              "FlashMLA on heads padded to 64"),
 )
 
 

@@ -305,6 +305,23 @@ def _ds_mla_cache(num_blocks=2, page=64, filled=100):
     return cache.view(num_blocks, page, 656)
 
 
+@pytest.mark.parametrize(("shape", "dim", "target", "value", "dtype"), [
+    ((2, 1, 16, 576), 2, 64, 0.0, torch.bfloat16),  # decode q: heads
+    ((40, 16, 576), 1, 64, 0.0, torch.bfloat16),  # prefill q: heads
+    ((16,), 0, 64, 0.0, torch.float32),  # attn_sink
+    ((3, 1, 100), 2, 128, -1, torch.int32),  # prefill indices: top-k columns
+])
+def test_flash_mla_pad_dim(shape, dim, target, value, dtype):
+    x = (torch.randn(shape) * 10).to(dtype)
+    out = fm_wrap._pad_dim(x, dim, target, value)
+    want_shape = list(shape)
+    want_shape[dim] = target
+    assert list(out.shape) == want_shape and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out.narrow(dim, 0, shape[dim]), x)
+    assert (out.narrow(dim, shape[dim], target - shape[dim]) == value).all()
+    assert fm_wrap._pad_dim(x, dim, shape[dim]) is x
+
+
 def test_flash_mla_decode_translation(flash_mla_module, on_arch):
     mod = flash_mla_module(True)
     on_arch("sm90")

@@ -64,7 +64,8 @@ def test_flash_mla_prefill_matches_reference(h_q, d_qk, topk):
     assert torch.allclose(max_logits, r_max, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize(("h_q", "s_q", "topk"), [(128, 1, 2048), (16, 1, 2048), (64, 2, 512), (64, 1, 200)])
+@pytest.mark.parametrize(("h_q", "s_q", "topk"), [(128, 1, 2048), (16, 1, 2048), (32, 2, 2048), (64, 2, 512),
+                                             (64, 1, 200)])
 def test_flash_mla_decode_matches_reference(h_q, s_q, topk):
     _require("flash_mla")
     if routing.detect_arch() not in ("sm90", "sm100", "sm103"):
@@ -156,3 +157,27 @@ def test_auto_routes_on_this_gpu():
         assert impl == "flash_mla"
     else:
         assert impl in ("triton", "reference")
+
+
+@pytest.mark.parametrize("h_q", [16, 24, 32, 64])
+def test_auto_decode_route_on_this_gpu(h_q):
+    """``impl="auto"`` decode with few heads: on sm_90 with Gluon it takes Triton up to 32 heads (faster
+    than FlashMLA on padded heads), FlashMLA at 64; every route matches the reference."""
+    from nsa_backend.routing import capabilities as caps
+
+    page, blocks, batch = 64, 32, 4
+    tokens = page * blocks
+    kv = torch.randn(tokens, 576, device="cuda").bfloat16()
+    cache = nb.pack_fp8_ds_mla(kv, "arbitrary").view(blocks, page, 656)
+    q = torch.randn(batch, 1, h_q, 576, device="cuda").bfloat16()
+    idx = torch.randint(-1, tokens, (batch, 1, 512), device="cuda", dtype=torch.int32)
+    feats = {"device": q.device, "num_heads": h_q, "d_qk": 576, "topk": 512, "s_q": 1, "kv_format": "fp8_ds_mla",
+             "page_size": page}
+    impl = routing.select_impl("sparse_mla_decode", "auto", feats)
+    arch = routing.detect_arch()
+    if arch == "sm90" and routing.probe_natives()["flash_mla"].available:
+        assert impl == ("triton" if h_q <= 32 and caps.gluon_usable(arch) else "flash_mla")
+    out, lse = nb.sparse_mla_decode(q, cache, idx, 576 ** -0.5, 512, "fp8_ds_mla")
+    r_out, r_lse = reference.sparse_mla_decode(q, cache, idx, 576 ** -0.5, 512, "fp8_ds_mla")
+    assert calc_diff(out, r_out) < 1e-3
+    assert torch.allclose(lse, r_lse, atol=1e-2, rtol=1e-3)

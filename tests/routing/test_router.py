@@ -208,11 +208,15 @@ FEW_HEAD_DECODE = {"device": CUDA, "arch": "sm90", "num_heads": 16, "d_qk": 576,
     # without Gluon the tl kernels are slower than the padded native kernel
     ("flash_mla_sparse_fwd", FEW_HEAD_PREFILL, False, "flash_mla"),
     ("sparse_mla_decode", FEW_HEAD_DECODE, False, "flash_mla"),
-    # outside the measured shapes: native heads, d_qk 512 (no few-head kernel), decode above 16 heads
+    ("sparse_mla_decode", {**FEW_HEAD_DECODE, "num_heads": 24}, True, "triton"),
+    ("sparse_mla_decode", {**FEW_HEAD_DECODE, "num_heads": 32}, True, "triton"),
+    ("sparse_mla_decode", {**FEW_HEAD_DECODE, "num_heads": 32}, False, "flash_mla"),
+    # outside the measured shapes: native heads, d_qk 512 (no few-head kernel), more than 32 heads
     ("flash_mla_sparse_fwd", {**FEW_HEAD_PREFILL, "num_heads": 64}, True, "flash_mla"),
     ("flash_mla_sparse_fwd", {**FEW_HEAD_PREFILL, "num_heads": 33}, True, "flash_mla"),
     ("flash_mla_sparse_fwd", {**FEW_HEAD_PREFILL, "d_qk": 512}, True, "flash_mla"),
-    ("sparse_mla_decode", {**FEW_HEAD_DECODE, "num_heads": 32}, True, "flash_mla"),
+    ("sparse_mla_decode", {**FEW_HEAD_DECODE, "num_heads": 33}, True, "flash_mla"),
+    ("sparse_mla_decode", {**FEW_HEAD_DECODE, "num_heads": 64}, True, "flash_mla"),
     # other archs keep their routes
     ("flash_mla_sparse_fwd", {**FEW_HEAD_PREFILL, "arch": "sm100"}, True, "flash_mla"),
     ("sparse_mla_decode", {**FEW_HEAD_DECODE, "arch": "sm100"}, True, "flash_mla"),
