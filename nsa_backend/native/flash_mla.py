@@ -9,9 +9,9 @@ Argument translation only:
   current kernels serve d_qk 512 on SM100. Upstream FlashMLA has no such argument and serves both.
 - Top-k width: the kernels work in blocks of 64 (decode) / 128 (prefill) indices; other widths are
   padded with ``-1``.
-- Decode indices: FlashMLA treats only ``-1`` as invalid and does not bound-check, so slots outside
-  the cache, entries past ``topk_length`` and the padding columns become ``-1`` here, in one launch
-  (:func:`nsa_backend.kernels.slots.mask_invalid_slots`). The cache may be
+- Indices (prefill and decode): FlashMLA treats only ``-1`` as invalid and does not bound-check, so
+  rows outside ``kv`` / slots outside the cache, entries past ``topk_length`` and the padding columns
+  become ``-1`` here, in one launch (:func:`nsa_backend.kernels.slots.mask_invalid_slots`). The cache may be
   ``[num_blocks, page, 656]`` or ``[num_blocks, page, 1, 656]``.
 - Decode schedule: FlashMLA computes its split-KV schedule on the first call with a fresh
   ``get_mla_metadata()`` object and reuses it while the shapes stay the same (the top-k lengths are
@@ -88,20 +88,6 @@ def _round_up(x: int, block: int) -> int:
     return (x + block - 1) // block * block
 
 
-def _apply_topk_length(indices: torch.Tensor, topk_length: torch.Tensor | None) -> torch.Tensor:
-    """Mark entries past each row's ``topk_length`` invalid (-1).
-
-    ``indices`` is ``[R, *, topk]`` and ``topk_length`` ``[R]`` (prefill rows, or decode requests).
-    FlashMLA's V3.2 kernels (the SM90 ones reached with ``use_legacy=True``) refuse a dynamic top-k
-    length; every FlashMLA kernel skips -1 entries, so this is the same computation, without a host sync.
-    """
-    if topk_length is None:
-        return indices
-    rank = torch.arange(indices.shape[-1], device=indices.device)
-    keep = rank < topk_length.view(-1, 1, 1)
-    return torch.where(keep, indices, torch.full_like(indices, -1))
-
-
 def _decode_schedule(fm: ModuleType, key: tuple) -> Any:
     """The schedule object of decode calls of shape ``key`` (see the module docstring)."""
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -146,8 +132,9 @@ def flash_mla_sparse_fwd(
     q = _pad_dim(q, 1, target)
     if attn_sink is not None:
         attn_sink = _pad_dim(attn_sink, 0, target)
-    indices = _apply_topk_length(indices, topk_length)
-    indices = _pad_dim(indices, 2, _round_up(indices.shape[2], PREFILL_TOPK_BLOCK), -1)
+    # FlashMLA's V3.2 kernels (reached with use_legacy=True on SM90) refuse a dynamic top-k length:
+    # entries past it become -1, which every FlashMLA kernel skips (same computation, no host sync)
+    indices = mask_invalid_slots(indices, kv.shape[0], topk_length, _round_up(indices.shape[2], PREFILL_TOPK_BLOCK))
     kwargs = legacy_kwargs("flash_mla_sparse_fwd", d_qk, q.device)
     out, max_logits, lse = fm.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, None, **kwargs)
     if target != heads:

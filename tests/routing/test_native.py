@@ -211,6 +211,7 @@ def _make_flash_mla(with_legacy: bool) -> types.ModuleType:
 
     def sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, **kw):
         mod.calls.append(("prefill", {"heads": q.shape[1], "topk": indices.shape[-1], **kw}))
+        mod.sent_prefill_indices = indices.clone()
         return reference.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
 
     def with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits=None,
@@ -285,6 +286,24 @@ def test_flash_mla_prefill_translation(flash_mla_module, on_arch, with_legacy):
     call = mod.calls[-1][1]
     assert call["heads"] == 64 and call["topk"] == 128
     assert call.get("use_legacy") is (True if with_legacy else None)
+
+
+def test_flash_mla_prefill_topk_length_and_invalid_rows_become_minus_one(flash_mla_module, on_arch):
+    """FlashMLA gets no top-k length: entries past it, rows outside ``kv`` and padding columns are -1."""
+    mod = flash_mla_module(True)
+    on_arch("sm90")
+    s_q, s_kv, h, d_qk, topk = 3, 50, 64, 576, 40
+    q = torch.randn(s_q, h, d_qk).to(torch.bfloat16)
+    kv = torch.randn(s_kv, 1, d_qk).to(torch.bfloat16)
+    idx = torch.randint(-1, s_kv + 5, (s_q, 1, topk), dtype=torch.int32)
+    tl = torch.tensor([40, 7, 0], dtype=torch.int32)
+    out = fm_wrap.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, None, tl)
+    ref = reference.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, None, tl)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5, equal_nan=True)
+    sent = mod.sent_prefill_indices
+    want = torch.where((idx >= 0) & (idx < s_kv) & (torch.arange(topk) < tl.view(-1, 1, 1)), idx, -1)
+    assert sent.shape == (s_q, 1, 128) and torch.equal(sent[..., :topk], want) and (sent[..., topk:] == -1).all()
 
 
 def test_flash_mla_prefill_current_kernels_for_v4_on_sm100(flash_mla_module, on_arch, monkeypatch):
