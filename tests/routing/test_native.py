@@ -270,19 +270,26 @@ def flash_mla_module(monkeypatch):
     fm_wrap.clear_decode_schedules()
 
 
+PREFILL_S_Q, PREFILL_S_KV, PREFILL_TOPK = 3, 50, 40
+
+
+def _prefill_matches_reference(h: int, sink: torch.Tensor | None, topk_length: torch.Tensor | None) -> torch.Tensor:
+    """Run the wrapper on a small prefill (indices from -1 to past ``kv``) against the reference; the indices."""
+    q = torch.randn(PREFILL_S_Q, h, 576).to(torch.bfloat16)
+    kv = torch.randn(PREFILL_S_KV, 1, 576).to(torch.bfloat16)
+    idx = torch.randint(-1, PREFILL_S_KV + 5, (PREFILL_S_Q, 1, PREFILL_TOPK), dtype=torch.int32)
+    out = fm_wrap.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, sink, topk_length)
+    ref = reference.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, sink, topk_length)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5, equal_nan=True)
+    return idx
+
+
 @pytest.mark.parametrize("with_legacy", [True, False], ids=["sgl-flash-mla", "upstream"])
 def test_flash_mla_prefill_translation(flash_mla_module, on_arch, with_legacy):
     mod = flash_mla_module(with_legacy)
     on_arch("sm90")
-    s_q, s_kv, h, d_qk, topk = 3, 50, 16, 576, 40
-    q = torch.randn(s_q, h, d_qk).to(torch.bfloat16)
-    kv = torch.randn(s_kv, 1, d_qk).to(torch.bfloat16)
-    idx = torch.randint(-1, s_kv + 5, (s_q, 1, topk), dtype=torch.int32)
-    sink = torch.randn(h)
-    out = fm_wrap.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, sink, None)
-    ref = reference.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, sink, None)
-    for a, b in zip(out, ref):
-        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5, equal_nan=True)
+    _prefill_matches_reference(16, torch.randn(16), None)
     call = mod.calls[-1][1]
     assert call["heads"] == 64 and call["topk"] == 128
     assert call.get("use_legacy") is (True if with_legacy else None)
@@ -292,18 +299,12 @@ def test_flash_mla_prefill_topk_length_and_invalid_rows_become_minus_one(flash_m
     """FlashMLA gets no top-k length: entries past it, rows outside ``kv`` and padding columns are -1."""
     mod = flash_mla_module(True)
     on_arch("sm90")
-    s_q, s_kv, h, d_qk, topk = 3, 50, 64, 576, 40
-    q = torch.randn(s_q, h, d_qk).to(torch.bfloat16)
-    kv = torch.randn(s_kv, 1, d_qk).to(torch.bfloat16)
-    idx = torch.randint(-1, s_kv + 5, (s_q, 1, topk), dtype=torch.int32)
     tl = torch.tensor([40, 7, 0], dtype=torch.int32)
-    out = fm_wrap.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, None, tl)
-    ref = reference.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, None, tl)
-    for a, b in zip(out, ref):
-        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5, equal_nan=True)
+    idx = _prefill_matches_reference(64, None, tl)
     sent = mod.sent_prefill_indices
-    want = torch.where((idx >= 0) & (idx < s_kv) & (torch.arange(topk) < tl.view(-1, 1, 1)), idx, -1)
-    assert sent.shape == (s_q, 1, 128) and torch.equal(sent[..., :topk], want) and (sent[..., topk:] == -1).all()
+    keep = (idx >= 0) & (idx < PREFILL_S_KV) & (torch.arange(PREFILL_TOPK) < tl.view(-1, 1, 1))
+    assert sent.shape == (PREFILL_S_Q, 1, 128)
+    assert torch.equal(sent[..., :PREFILL_TOPK], torch.where(keep, idx, -1)) and (sent[..., PREFILL_TOPK:] == -1).all()
 
 
 def test_flash_mla_prefill_current_kernels_for_v4_on_sm100(flash_mla_module, on_arch, monkeypatch):
