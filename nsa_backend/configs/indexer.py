@@ -125,8 +125,7 @@ class PagedGluonConfig:
     ``warp_specialize`` (with ``tma``): a one-warp loader partition feeds the compute warpgroup
     through mbarriers; ``max_regs``: register cap per thread of the launch (0: the compiler's
     choice; warp-specialised, the partitions share ``max_regs`` x 8 warps, the loader keeping
-    ``loader_regs``); ``fused_rows`` (warp-specialised, next_n 2): one MMA of ``2 HP`` columns per
-    tile computes both rows (their heads interleaved), instead of one MMA per row.
+    ``loader_regs``).
     """
 
     num_stages: int
@@ -136,7 +135,6 @@ class PagedGluonConfig:
     warp_specialize: bool = False
     max_regs: int = 0
     loader_regs: int = 24
-    fused_rows: bool = False
 
     def shared_bytes_estimate(self, head_dim: int, heads: int, rows: int = 2, page: int = 64) -> int:
         """Key tiles and scales of every stage plus the query tiles of ``rows`` rows and the mbarriers."""

@@ -433,90 +433,11 @@ if gluon is not None:
                         _indexer_paged_gluon_row(b_s, b_w0, b_sc, o_t, vis0, m_pg, p_row0, c1)
 
     @gluon.jit
-    def _indexer_paged_gluon_pair_rows(b_s, b_w, b_sc, o_t, vis0, vis1, m_pg, p_row0, p_row1, c1,
-                                       PAGE: gl.constexpr, HP: gl.constexpr, ROW: gl.constexpr):
-        """Logits of both rows against one key tile from ``S^T`` ``[PAGE, 2 HP]`` whose column ``2 h + r``
-        is head ``h`` of row ``r``: a thread holds both columns of a head, so the rows separate without
-        moving data."""
-        b_p = gl.maximum(b_s, 0.0) * gl.expand_dims(b_w, 0)  # [PAGE, 2 HP]
-        b_l = gl.sum(gl.reshape(b_p, [PAGE, HP, 2]), axis=1)  # [PAGE, 2]
-        b_l0, b_l1 = gl.split(b_l)  # [PAGE] each
-        b_l0 = gl.convert_layout(b_l0, ROW) * b_sc
-        b_l1 = gl.convert_layout(b_l1, ROW) * b_sc
-        gl.store(p_row0 + o_t, gl.where((o_t < vis0) & m_pg, b_l0, float("-inf")), mask=o_t < c1)
-        gl.store(p_row1 + o_t, gl.where((o_t < vis1) & m_pg, b_l1, float("-inf")), mask=o_t < c1)
-
-    @gluon.jit
-    def _indexer_paged_gluon_ws_consumer_fused(q_ptr, w_ptr, bt_ptr, out_ptr, i_b, H, next_n, stride_bt,
-                                               stride_out, num_pages, tile0, last, c0, c1, vis0, vis1, n_it,
-                                               k_smem, sc_smem, q_smem, full_bars, empty_bars,
-                                               D: gl.constexpr, HP: gl.constexpr, PAGE: gl.constexpr,
-                                               STAGES: gl.constexpr, UNROLL: gl.constexpr,
-                                               NUM_WARPS: gl.constexpr):
-        """Compute partition for two rows with one MMA per tile: ``q_smem`` ``[1, 2 HP, D]`` holds head
-        ``h`` of row ``r`` at row ``2 h + r``; tile ``j + 1``'s MMA runs during tile ``j``'s epilogue."""
-        HP2: gl.constexpr = 2 * HP
-        L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                      instr_shape=[16, HP2, 32])
-        L_K: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
-        SC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        ROW: gl.constexpr = gl.SliceLayout(1, L_S)
-        COL: gl.constexpr = gl.SliceLayout(0, L_S)
-        sc_rows = _indexer_paged_gluon_as_rows(sc_smem, STAGES, PAGE, SC_SL)
-        # both rows' q, heads interleaved (heads past H zero-filled)
-        o_qn = gl.arange(0, HP2, layout=gl.SliceLayout(1, L_K))
-        o_qd = gl.arange(0, D, layout=gl.SliceLayout(0, L_K))
-        m_q = gl.expand_dims(o_qn // 2 < H, 1) & gl.expand_dims(o_qd < D, 0)
-        o_q = ((i_b.to(gl.int64) * next_n + o_qn % 2) * H + o_qn // 2) * D  # [2 HP]
-        cp_async(q_smem.index(0), q_ptr + gl.expand_dims(o_q, 1) + gl.expand_dims(o_qd, 0), mask=m_q)
-        async_copy.commit_group()
-        o_wn = gl.arange(0, HP2, layout=COL)
-        b_w = gl.load(w_ptr + (i_b.to(gl.int64) * next_n + o_wn % 2) * H + o_wn // 2, mask=o_wn // 2 < H,
-                      other=0.0)  # [2 HP], interleaved as the columns of S^T
-        p_row0 = out_ptr + i_b.to(gl.int64) * next_n * stride_out
-        p_row1 = p_row0 + stride_out
-        p_bt = bt_ptr + i_b.to(gl.int64) * stride_bt
-        async_copy.wait_group(0)
-        fence_async_shared()
-        cta_barrier()
-
-        q_t = q_smem.index(0).permute((1, 0))
-        b_zero = gl.zeros([PAGE, HP2], gl.float32, layout=L_S)
-        o_n = gl.arange(0, PAGE, layout=ROW)
-        for i in range(n_it // UNROLL):
-            j0 = i * UNROLL
-            st = j0 % STAGES
-            mbarrier.wait(full_bars.index(st), (j0 // STAGES) & 1)
-            t_r = warpgroup_mma(k_smem.index(st), q_t, b_zero, use_acc=False, is_async=True)
-            for u in gl.static_range(UNROLL):
-                j = j0 + u
-                st = j % STAGES
-                st_n = (j + 1) % STAGES
-                i_pg = gl.load(p_bt + gl.minimum(tile0 + j, last))
-                b_sc = sc_rows.index(st).load(ROW)  # [PAGE]
-                m_pg = (i_pg >= 0) & (i_pg < num_pages)
-                o_t = c0 + j * PAGE + o_n
-                if u < UNROLL - 1:
-                    mbarrier.wait(full_bars.index(st_n), ((j + 1) // STAGES) & 1)
-                    t_n = warpgroup_mma(k_smem.index(st_n), q_t, b_zero, use_acc=False, is_async=True)
-                    b_s = warpgroup_mma_wait(1, deps=[t_r])
-                    _indexer_paged_gluon_ws_release(empty_bars, st)
-                    _indexer_paged_gluon_pair_rows(b_s, b_w, b_sc, o_t, vis0, vis1, m_pg, p_row0, p_row1, c1,
-                                                   PAGE, HP, ROW)
-                    t_r = t_n
-                else:
-                    b_s = warpgroup_mma_wait(0, deps=[t_r])
-                    _indexer_paged_gluon_ws_release(empty_bars, st)
-                    _indexer_paged_gluon_pair_rows(b_s, b_w, b_sc, o_t, vis0, vis1, m_pg, p_row0, p_row1, c1,
-                                                   PAGE, HP, ROW)
-
-    @gluon.jit
     def _indexer_paged_gluon_ws_kernel(
         q_ptr, k_desc, sc_desc, w_ptr, ctx_ptr, bt_ptr, out_ptr,
         H, max_ctx, num_pages, max_blocks, stride_bt, page_rows, stride_out, next_n, chunk,
         NP: gl.constexpr, D: gl.constexpr, HP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
         UNROLL: gl.constexpr, CTX_2D: gl.constexpr, NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-        FUSED: gl.constexpr = False,
     ):
         """Warp-specialised: a one-warp TMA loader feeds the compute warpgroup through ``full`` /
         ``empty`` mbarriers of ``STAGES`` buffers (no CTA barrier per tile)."""
@@ -529,10 +450,7 @@ if gluon is not None:
         n_it = gl.cdiv(n_tiles, UNROLL) * UNROLL  # tiles computed (padding tiles read a valid page)
 
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D], KQ_SL)
-        if FUSED:
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [1, NP * HP, D], KQ_SL)
-        else:
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [NP, HP, D], KQ_SL)
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [NP, HP, D], KQ_SL)
         sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, PAGE], sc_desc.layout)
         full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -541,27 +459,15 @@ if gluon is not None:
             mbarrier.init(empty_bars.index(s), count=NUM_WARPS * 32)
         fence_async_shared()
 
-        if FUSED:
-            gl.static_assert(NP == 2)
-            gl.warp_specialize([
-                (_indexer_paged_gluon_ws_consumer_fused, (q_ptr, w_ptr, bt_ptr, out_ptr, i_b, H, next_n, stride_bt,
-                                                          stride_out, num_pages, c0 // PAGE, max_blocks - 1, c0, c1,
-                                                          vis0, vis1, n_it, k_smem, sc_smem, q_smem, full_bars,
-                                                          empty_bars, D, HP, PAGE, STAGES, UNROLL, NUM_WARPS)),
-                (_indexer_paged_gluon_ws_loader, (k_desc, sc_desc, bt_ptr, i_b, stride_bt, c0 // PAGE,
-                                                  max_blocks - 1, n_it, num_pages, page_rows, k_smem, sc_smem,
-                                                  full_bars, empty_bars, PAGE, D, STAGES)),
-            ], [1], [LOADER_REGS])
-        else:
-            gl.warp_specialize([
-                (_indexer_paged_gluon_ws_consumer, (q_ptr, w_ptr, bt_ptr, out_ptr, i_b, H, next_n, stride_bt,
-                                                    stride_out, num_pages, c0 // PAGE, max_blocks - 1, c0, c1, vis0,
-                                                    vis1, n_it, k_smem, sc_smem, q_smem, full_bars, empty_bars,
-                                                    NP, D, HP, PAGE, STAGES, UNROLL, NUM_WARPS)),
-                (_indexer_paged_gluon_ws_loader, (k_desc, sc_desc, bt_ptr, i_b, stride_bt, c0 // PAGE,
-                                                  max_blocks - 1, n_it, num_pages, page_rows, k_smem, sc_smem,
-                                                  full_bars, empty_bars, PAGE, D, STAGES)),
-            ], [1], [LOADER_REGS])
+        gl.warp_specialize([
+            (_indexer_paged_gluon_ws_consumer, (q_ptr, w_ptr, bt_ptr, out_ptr, i_b, H, next_n, stride_bt, stride_out,
+                                                num_pages, c0 // PAGE, max_blocks - 1, c0, c1, vis0, vis1, n_it,
+                                                k_smem, sc_smem, q_smem, full_bars, empty_bars,
+                                                NP, D, HP, PAGE, STAGES, UNROLL, NUM_WARPS)),
+            (_indexer_paged_gluon_ws_loader, (k_desc, sc_desc, bt_ptr, i_b, stride_bt, c0 // PAGE, max_blocks - 1,
+                                              n_it, num_pages, page_rows, k_smem, sc_smem, full_bars, empty_bars,
+                                              PAGE, D, STAGES)),
+        ], [1], [LOADER_REGS])
 
         p_row0 = out_ptr + i_b.to(gl.int64) * next_n * stride_out
         _indexer_paged_gluon_fill(p_row0, p_row0 + (NP - 1) * stride_out, c0 + n_tiles * PAGE, c1, NP, PAGE,
@@ -792,7 +698,6 @@ def _constexprs(rows: int, hp: int, cfg: cfgs.PagedGluonConfig, ctx_2d: bool) ->
                NUM_WARPS=NUM_WARPS)
     if cfg.warp_specialize:
         out["LOADER_REGS"] = cfg.loader_regs
-        out["FUSED"] = cfg.fused_rows and rows == 2
     else:
         out["TMA"] = cfg.tma
     return out
