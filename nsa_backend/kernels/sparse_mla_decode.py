@@ -36,6 +36,7 @@ from nsa_backend.configs.sparse_mla import (
     AttnConfig,
     decode_config,
     decode_num_splits,
+    merge_block_d,
     split_keys,
 )
 from nsa_backend.kernels._arch import device_arch, device_sms
@@ -70,15 +71,17 @@ def _sparse_mla_decode_merge_kernel(
     out_ptr,  # [B, s_q, h_q, D_V] bf16
     lse_ptr,  # [B, h_q, s_q] f32
     h_q, s_q, num_splits,
-    D_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SINK: tl.constexpr,
+    D_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
+    # grid (rows, head blocks, D_V / BLOCK_D): every program recombines BLOCK_D columns of BLOCK_H heads
     i_r = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
+    i_d = tl.program_id(2)
     i_b = i_r // s_q
     i_q = i_r % s_q
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < h_q
-    o_d = tl.arange(0, D_V)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
 
     p_lse = part_lse_ptr + i_r * num_splits * h_q + o_h
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -87,7 +90,7 @@ def _sparse_mla_decode_merge_kernel(
     m_empty = b_m == float("-inf")
     b_m_use = tl.where(m_empty, 0.0, b_m)
     b_w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     p_o = part_o_ptr + (i_r * num_splits * h_q + o_h.to(tl.int64))[:, None] * D_V + o_d[None, :]
     for i_s in range(num_splits):
         b_w = tl.math.exp2(tl.load(p_lse + i_s * h_q, mask=m_h, other=float("-inf")) - b_m_use)
@@ -102,7 +105,27 @@ def _sparse_mla_decode_merge_kernel(
         b_o = b_o * (1.0 / (1.0 + tl.exp(b_sink - tl.where(m_empty, 0.0, b_lse))))[:, None]
     p_out = out_ptr + ((i_r * h_q + o_h.to(tl.int64)) * D_V)[:, None] + o_d[None, :]
     tl.store(p_out, _sparse_mla_bf16(b_o), mask=m_h[:, None])
-    tl.store(lse_ptr + i_b * h_q * s_q + o_h * s_q + i_q, b_lse, mask=m_h)
+    if i_d == 0:
+        tl.store(lse_ptr + i_b * h_q * s_q + o_h * s_q + i_q, b_lse, mask=m_h)
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, attn_sink: torch.Tensor | None,
+                 out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Combine the ``num_splits`` partial results of every query row into ``out`` and ``lse``.
+
+    ``part_o`` ``[R, num_splits, h_q, d_v]`` fp32 (each split normalised by its own sum),
+    ``part_lse`` ``[R, num_splits, h_q]`` fp32 (base 2, ``-inf`` for a split without a valid slot),
+    ``out`` ``[B, s_q, h_q, d_v]`` bf16 and ``lse`` ``[B, h_q, s_q]`` fp32 with ``R = B * s_q``; all
+    contiguous. The output columns are cut into slices (``configs.sparse_mla.merge_block_d``) so that few
+    rows still spread over the GPU.
+    """
+    R, splits, h_q, d_v = part_o.shape
+    head_blocks = triton.cdiv(h_q, MERGE_BLOCK_H)
+    block_d = merge_block_d(R * head_blocks, d_v, device_sms(part_o.device))
+    _sparse_mla_decode_merge_kernel[(R, head_blocks, d_v // block_d)](
+        part_o, part_lse, attn_sink, out, lse, h_q, out.shape[1], splits,
+        D_V=d_v, BLOCK_H=MERGE_BLOCK_H, BLOCK_D=block_d, num_warps=MERGE_NUM_WARPS,
+    )
 
 
 def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: torch.device,
@@ -239,8 +262,5 @@ def sparse_mla_decode_triton(
         s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         SPLIT=True, **common,
     )
-    _sparse_mla_decode_merge_kernel[(R, triton.cdiv(h_q, MERGE_BLOCK_H))](
-        part_o, part_lse, attn_sink, out, lse, h_q, s_q, splits,
-        D_V=d_v, BLOCK_H=MERGE_BLOCK_H, num_warps=MERGE_NUM_WARPS,
-    )
+    merge_splits(part_o, part_lse, attn_sink, out, lse)
     return out, lse

@@ -830,9 +830,8 @@ def sparse_mla_decode_gluon(
     overrides entries of ``PAIR_OPTIONS`` for the pair kernel (``ValueError`` for other keys, or where the
     pair kernel does not run).
     """
-    from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS
     from nsa_backend.kernels._arch import device_sms
-    from nsa_backend.kernels.sparse_mla_decode import _sparse_mla_decode_merge_kernel
+    from nsa_backend.kernels.sparse_mla_decode import merge_splits
     from nsa_backend.kernels.sparse_mla_prefill import LOG2E
 
     B, s_q, h_q, _ = q.shape
@@ -892,8 +891,5 @@ def sparse_mla_decode_gluon(
         s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         SPLIT=True, **{**common, "HAS_SINK": False},
     )
-    _sparse_mla_decode_merge_kernel[(R, triton.cdiv(h_q, MERGE_BLOCK_H))](
-        part_o, part_lse, attn_sink, out, lse, h_q, s_q, splits,
-        D_V=d_v, BLOCK_H=MERGE_BLOCK_H, num_warps=MERGE_NUM_WARPS,
-    )
+    merge_splits(part_o, part_lse, attn_sink, out, lse)
     return out, lse

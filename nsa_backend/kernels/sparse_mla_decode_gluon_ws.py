@@ -410,9 +410,8 @@ def sparse_mla_decode_gluon_ws(
     ``num_splits`` overrides the split of the top-k list of :func:`plan`; ``options`` overrides kernel
     constants (``LOADER_DQ``, ``DQ_VEC``, ``LOADER_REGS``).
     """
-    from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS
     from nsa_backend.kernels._arch import device_sms
-    from nsa_backend.kernels.sparse_mla_decode import _sparse_mla_decode_merge_kernel
+    from nsa_backend.kernels.sparse_mla_decode import merge_splits
 
     B, s_q, h_q, _ = q.shape
     topk = indices.shape[-1]
@@ -449,10 +448,7 @@ def sparse_mla_decode_gluon_ws(
         s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         **_constexprs(True, False, topk_length is not None, **(options or {})), num_warps=NUM_WARPS,
     )
-    _sparse_mla_decode_merge_kernel[(R, triton.cdiv(h_q, MERGE_BLOCK_H))](
-        part_o, part_lse, attn_sink, out, lse, h_q, s_q, splits,
-        D_V=d_v, BLOCK_H=MERGE_BLOCK_H, num_warps=MERGE_NUM_WARPS,
-    )
+    merge_splits(part_o, part_lse, attn_sink, out, lse)
     return out, lse
 
 

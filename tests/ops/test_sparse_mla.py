@@ -10,6 +10,7 @@ AOT: every kernel x every shipped configuration compiled for sm_80 ... sm_121 wi
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import textwrap
@@ -321,6 +322,66 @@ def test_decode_matches_reference(kw, launch):
     run_decode_case(a, str(kw), config=cfg, **launch)
 
 
+def test_merge_block_d_rule():
+    """Whole-row merge programs while they fill the GPU, narrower slices for few rows, always a slice that
+    divides the output width."""
+    from nsa_backend.configs.sparse_mla import MERGE_BLOCK_D_CHOICES, merge_block_d
+
+    assert merge_block_d(264, 512, 132) == 512
+    assert merge_block_d(132, 512, 132) == 512
+    assert merge_block_d(66, 512, 132) == 256
+    assert merge_block_d(64, 512, 132) == 128
+    assert merge_block_d(32, 512, 132) == 64
+    assert merge_block_d(1, 512, 132) == MERGE_BLOCK_D_CHOICES[-1]
+    assert merge_block_d(1, 96, 132) == 96  # no choice divides 96: the full width
+    for programs in (1, 7, 40, 300):
+        for d_v in (64, 128, 256, 512):
+            assert d_v % merge_block_d(programs, d_v, 132) == 0
+
+
+def _merge_reference(part_o, part_lse, sink):
+    """fp32 torch merge: ``part_lse`` is base 2; natural-log ``lse``, ``+inf`` and zeros for rows whose
+    splits are all empty; the sink scales the output by ``1 / (1 + exp(sink - lse))``."""
+    m = part_lse.amax(dim=1, keepdim=True)
+    empty = torch.isinf(m) & (m < 0)
+    w = torch.exp2(part_lse - torch.where(empty, 0.0, m))  # [R, S, h]
+    total = w.sum(dim=1)  # [R, h]
+    out = (w.unsqueeze(-1) * part_o).sum(dim=1) / torch.where(empty[:, 0], 1.0, total).unsqueeze(-1)
+    lse2 = torch.where(empty[:, 0], 0.0, m[:, 0]) + torch.log2(torch.where(empty[:, 0], 1.0, total))
+    lse = torch.where(empty[:, 0], float("inf"), lse2 * math.log(2.0))
+    if sink is not None:
+        out = out / (1.0 + torch.exp(sink - torch.where(empty[:, 0], 0.0, lse))).unsqueeze(-1)
+    return out, lse
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("min_per_sm", [1, 64], ids=["default-slices", "narrowest-slices"])
+@pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
+def test_merge_splits_matches_reference(monkeypatch, splits, min_per_sm, sink):
+    """The split merge of the decode kernels, whole rows or in column slices (more programs than rows),
+    with empty splits and heads of a row without any valid slot."""
+    from nsa_backend.configs import sparse_mla as cfgs
+    from nsa_backend.kernels import sparse_mla_decode as dec
+
+    monkeypatch.setattr(cfgs, "MERGE_MIN_PROGRAMS_PER_SM", min_per_sm)
+    g = torch.Generator().manual_seed(3)
+    B, s_q, h_q, d_v = 2, 2, 20, 512
+    R = B * s_q
+    part_o = torch.randn(R, splits, h_q, d_v, generator=g)
+    part_lse = torch.randn(R, splits, h_q, generator=g) * 4
+    part_lse[0, 1] = float("-inf")  # one empty split
+    part_lse[1, :, 3] = float("-inf")  # a head of a row without any valid slot
+    part_o[1, :, 3] = 0.0
+    attn_sink = torch.randn(h_q, generator=g) if sink else None
+    out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16)
+    lse = torch.empty(B, h_q, s_q)
+    dec.merge_splits(part_o, part_lse, attn_sink, out, lse)
+    want_o, want_lse = _merge_reference(part_o, part_lse, attn_sink)
+    torch.testing.assert_close(out.float().view(R, h_q, d_v), want_o, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.permute(0, 2, 1).reshape(R, h_q), want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.isinf(lse[0, 3, 1]) and lse[0, 3, 1] > 0 and out[0, 1, 3].abs().max() == 0
+
+
 def test_decode_plan_is_shape_only():
     from nsa_backend.kernels.sparse_mla_decode import decode_plan
 
@@ -366,7 +427,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         if kind == "merge":
             sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
                    "lse_ptr": "*fp32", "h_q": "i32", "s_q": "i32", "num_splits": "i32"}
-            ce = {"D_V": 512, "BLOCK_H": cfg[0], "HAS_SINK": True}
+            ce = {"D_V": 512, "BLOCK_H": cfg[0], "BLOCK_D": cfg[2], "HAS_SINK": True}
             sig.update({k: "constexpr" for k in ce})
             return [arch, kind, cfg, fp8, native, *compile_div16(_sparse_mla_decode_merge_kernel.fn, sig, ce, arch,
                                                                   cfg[1], 1)]
@@ -385,7 +446,8 @@ _AOT_SCRIPT = textwrap.dedent("""
                                                               cfg[3], cfg[5])]
 
     if __name__ == "__main__":
-        from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS, shipped_configs
+        from nsa_backend.configs.sparse_mla import (MERGE_BLOCK_D_CHOICES, MERGE_BLOCK_H, MERGE_NUM_WARPS,
+                                                    shipped_configs)
         from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH
         archs = [int(a) for a in sys.argv[1].split(",")]
         items = []
@@ -394,7 +456,8 @@ _AOT_SCRIPT = textwrap.dedent("""
                 native = arch >= FP8_NATIVE_MIN_ARCH
                 items.append((arch, kind, (c.block_h, c.block_n, c.num_warps, c.num_stages, c.idx_ahead,
                                            c.maxnreg), fp8, native))
-            items.append((arch, "merge", (MERGE_BLOCK_H, MERGE_NUM_WARPS), False, False))
+            for block_d in MERGE_BLOCK_D_CHOICES:
+                items.append((arch, "merge", (MERGE_BLOCK_H, MERGE_NUM_WARPS, block_d), False, False))
         with ProcessPoolExecutor(int(sys.argv[2])) as ex:
             print(json.dumps(list(ex.map(job, items))))
 """)
