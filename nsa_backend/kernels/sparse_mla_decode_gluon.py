@@ -39,8 +39,10 @@ stores of the conversion need no barrier between them), its own scores ``S^T = K
 heads (m64n16), softmax, ``O^T``, max and row sums; the two states are merged once at the end through
 shared memory (each partition's ``O^T`` over its own key buffers). The loader is the default
 partition (80 registers): ``q`` once, then half tiles (32 slots) of latent bytes and scales into 3
-half buffers, each refilled once the tile that used it is converted, and the rope values of a tile
-into 2 MMA-ready buffers, refilled once the scores of the tile that used it are done. Its copies are
+half buffers, each refilled once the half that used it is converted (the first half of a tile goes back
+before the second is converted: the loader runs at most 1.5 tiles ahead and waits on these releases),
+and the rope values of a tile into 2 MMA-ready buffers, refilled once the scores of the tile that used
+it are done. Its copies are
 laid out so that 8 lanes copy 128 contiguous bytes of one row (2 rows per thread and half tile), with
 the page and row of a slot from unsigned arithmetic: 267 instructions per tile instead of 794 when
 each thread copied 16 bytes of 8 rows (the layout of the kernel above); the loader shares the SM
@@ -104,8 +106,7 @@ LOADER_REGS = 96
 # contiguous elements per thread in the conversion, registers per thread of each compute warpgroup
 # (the loader partition gets the rest: 80 at 216, no spills; 224 spills in the loader).
 PAIR = True
-PAIR_OPTIONS: dict[str, int] = {"LAT_STAGES": 3, "ROPE_STAGES": 2, "DQ_VEC": 8, "COMPUTE_REGS": 216, "A_REGS": 0,
-                                "REL_HALF": 0}
+PAIR_OPTIONS: dict[str, int] = {"LAT_STAGES": 3, "ROPE_STAGES": 2, "DQ_VEC": 8, "COMPUTE_REGS": 216}
 # The pair kernel from this many programs per split on (query rows times head blocks); fewer rows
 # take the kernel above (H200, h_q 16: B 32 s_q 1 37.6 against 41.0 us, B 16 s_q 1 30.9 against 28.9).
 PAIR_MIN_ROWS = 32
@@ -368,80 +369,6 @@ if gluon is not None:
             return buf._reinterpret(gl.float32, [128, BLOCK_H], O_SL)
 
     @gluon.jit
-    def _sparse_mla_decode_gluon_sigma(k):
-        """Latent column (within a group of 128) held by column ``k`` of the register-operand key tile.
-
-        A warpgroup MMA takes its left operand from registers in a fixed fragment: lane ``4 r + c`` holds
-        columns ``2 c, 2 c + 1, 2 c + 8, 2 c + 9`` of every 16. The dot product does not care about the
-        order of its columns, so the fragment's column ``k`` is made to hold latent column
-        ``32 c + 4 i + w`` (``i = k // 16``, ``c = (k // 2) % 4``, ``w = k % 2 + 2 ((k // 8) % 2)``): each
-        lane then converts 32 contiguous latent bytes of a row. ``q``'s columns and the output's rows
-        are permuted the same way."""
-        return 32 * ((k >> 1) & 3) + 4 * (k >> 4) + (k & 1) + ((k >> 2) & 2)
-
-    @gluon.jit
-    def _sparse_mla_decode_gluon_sigma_rope(k):
-        """``_sigma`` for the 64 rope columns: column ``k`` of the register operand holds rope column
-        ``16 c + 4 i + w`` (16 contiguous values per lane and row)."""
-        return 16 * ((k >> 1) & 3) + 4 * (k >> 4) + (k & 1) + ((k >> 2) & 2)
-
-    @gluon.jit
-    def _sparse_mla_decode_gluon_key_of_row(m):
-        """Slot of the tile (of 64) in row ``m`` of the register-operand key tile: warp ``w`` holds rows
-        ``16 w + r`` and ``16 w + 8 + r`` of the fragment, taken from row ``8 w + r`` of the first and
-        the second half tile (32 slots each)."""
-        return 32 * ((m >> 3) & 1) + 8 * (m >> 4) + (m & 7)
-
-    @gluon.jit
-    def _sparse_mla_decode_gluon_pair_fragment(b_r0, b_r1, s0, s1, L_A: gl.constexpr):
-        """``bf16(e4m3 * scale)`` of one latent group's bytes ``b_r0`` / ``b_r1`` (``[HALF, 128]`` of the
-        two half tiles) as the MMA's register operand ``[64 slots, 128]`` (rows in ``_key_of_row``
-        order, columns in ``_sigma`` order)."""
-        b_k0 = (b_r0.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s0).to(gl.bfloat16)
-        b_k1 = (b_r1.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s1).to(gl.bfloat16)
-        # [32, 128] x 2 halves -> [64, 128]: rows (warp, half, r), columns (i, w // 2, c, w % 2); no data moves
-        b_x = gl.join(b_k0, b_k1)
-        b_x = gl.reshape(b_x, [4, 8, 2, 2, 2, 2, 2, 2, 2, 2])
-        b_x = gl.permute(b_x, [0, 9, 1, 4, 5, 6, 7, 2, 3, 8])
-        b_x = gl.reshape(b_x, [64, 128])
-        return gl.convert_layout(b_x, L_A, assert_trivial=True)
-
-    @gluon.jit
-    def _sparse_mla_decode_gluon_pair_rope_rows(kv_ptr, p_idx, o_n, n_stop, n_slots, c_r, PAGE: gl.constexpr,
-                                                stride_page, stride_row):
-        """The rope values ``[BLOCK_N, 64]`` of the slots at positions ``o_n`` of the top-k row (zeros for
-        invalid slots), gathered straight into registers."""
-        b_i = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
-        o_row, m_n = _sparse_mla_decode_gluon_rows(b_i, o_n, n_stop, n_slots, PAGE, stride_page, stride_row, True)
-        # pairs of bf16 as one int32: the values stay packed in 32-bit registers while in flight
-        p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.int32))
-        return gl.load(gl.expand_dims(p_rope, 1) + gl.expand_dims(c_r, 0), mask=gl.expand_dims(m_n, 1), other=0)
-
-    @gluon.jit
-    def _sparse_mla_decode_gluon_pair_rope_fragment(b_r, L_A: gl.constexpr):
-        """Rope rows ``[64 slots, 32]`` of bf16 pairs (slot ``32 h + 8 w + r`` in lane ``4 r + c`` of warp
-        ``w``, pairs ``[8 c, 8 c + 8)``) as the MMA's register operand ``[64, 64]``: rows in
-        ``_key_of_row`` order, columns in ``_sigma_rope`` order; no data moves."""
-        b_lo, b_hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [b_r],
-                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-        b_x = gl.reshape(gl.join(b_lo, b_hi), [2, 4, 8, 2, 2, 2, 2, 2, 2])
-        b_x = gl.permute(b_x, [1, 0, 2, 5, 6, 7, 3, 4, 8])
-        b_x = gl.reshape(b_x, [64, 64])
-        return gl.convert_layout(b_x, L_A, assert_trivial=True)
-
-    @gluon.jit
-    def _sparse_mla_decode_gluon_pair_scales(sc, L_SC4: gl.constexpr, L_ROW: gl.constexpr):
-        """The four group scales of a half tile's slots, each ``[HALF, 1]`` in the conversion's layout."""
-        b_sc = gl.reshape(sc.load(L_SC4), [sc.shape[0], 2, 2])
-        b_even, b_odd = gl.split(b_sc)
-        b_s0, b_s2 = gl.split(b_even)
-        b_s1, b_s3 = gl.split(b_odd)
-        return (gl.expand_dims(gl.convert_layout(b_s0, L_ROW, assert_trivial=True), 1),
-                gl.expand_dims(gl.convert_layout(b_s1, L_ROW, assert_trivial=True), 1),
-                gl.expand_dims(gl.convert_layout(b_s2, L_ROW, assert_trivial=True), 1),
-                gl.expand_dims(gl.convert_layout(b_s3, L_ROW, assert_trivial=True), 1))
-
-    @gluon.jit
     def _sparse_mla_decode_gluon_pair_half(kv_ptr, c_il, c_is, o_lat, o_sc, c_lat, c_sc, n0, n_stop, n_slots,
                                            lat, sc, PAGE: gl.constexpr, stride_page, stride_row):
         """``cp.async`` of one half tile's latent bytes and group scales (invalid slots zero-filled)."""
@@ -459,13 +386,12 @@ if gluon is not None:
         stride_q_row, stride_q_head, stride_idx_row, stride_page, stride_row,
         q_smem, qr_smem, lat_smem, sc_smem, rope_smem, q_bar, lat_full, lat_empty, rope_full, rope_empty,
         PAGE: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr, LAT_STAGES: gl.constexpr,
-        ROPE_STAGES: gl.constexpr, LW: gl.constexpr, A_REGS: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, LW: gl.constexpr,
     ):
         """Loader partition (the default one) of the pair kernel: ``q`` once, then per tile the latent
         bytes and scales of its two halves of ``HALF`` slots into the ``LAT_STAGES`` half buffers and
         its rope values into the ``ROPE_STAGES`` MMA-ready buffers, each buffer as soon as the compute
-        partition of its previous tile released it. With ``A_REGS`` the columns of ``q_nope`` and the
-        rows of the rope tile follow the register operand's order (``_sigma``, ``_key_of_row``)."""
+        partition of its previous tile released it."""
         L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
         L_QR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
         # 128 contiguous bytes of a row per 8 lanes: two rows per thread and half tile
@@ -477,34 +403,19 @@ if gluon is not None:
         o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
         p_q = q_ptr + i_r * stride_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
         m_h = gl.expand_dims(o_h < h_q, 1)
-        o_qc = gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q))
+        o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
+        for g in gl.static_range(4):
+            cp_async(q_smem.index(g), p_q + g * 128 + o_qc, mask=m_h)
         o_hr = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_QR))
         p_qr = q_ptr + i_r * stride_q_row + gl.expand_dims(o_hr.to(gl.int64) * stride_q_head, 1) + 512
         o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_QR)), 0)
-        if A_REGS:
-            # permuted columns: loaded and stored (a copy moves at least 4 bytes)
-            o_qc = gl.expand_dims(_sparse_mla_decode_gluon_sigma(o_qc), 0)
-            for g in gl.static_range(4):
-                q_smem.index(g).store(gl.load(p_q + g * 128 + o_qc, mask=m_h, other=0.0))
-            if A_REGS == 2:
-                o_qr = _sparse_mla_decode_gluon_sigma_rope(o_qr)
-            qr_smem.store(gl.load(p_qr + o_qr, mask=gl.expand_dims(o_hr < h_q, 1), other=0.0))
-            fence_async_shared()
-            cta_barrier()
-            mbarrier.arrive(q_bar)
-        else:
-            o_qc = gl.expand_dims(o_qc, 0)
-            for g in gl.static_range(4):
-                cp_async(q_smem.index(g), p_q + g * 128 + o_qc, mask=m_h)
-            cp_async(qr_smem, p_qr + o_qr, mask=gl.expand_dims(o_hr < h_q, 1))
-            async_copy.mbarrier_arrive(q_bar, increment_count=False)
+        cp_async(qr_smem, p_qr + o_qr, mask=gl.expand_dims(o_hr < h_q, 1))
+        async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
         p_idx = idx_ptr + i_r * stride_idx_row
         o_lat = gl.arange(0, HALF, layout=gl.SliceLayout(1, L_LAT))
         o_sc = gl.arange(0, HALF, layout=gl.SliceLayout(1, L_SC))
         o_rp = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_ROPE))
-        if A_REGS:
-            o_rp = _sparse_mla_decode_gluon_key_of_row(o_rp)
         c_lat = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT)), 0)
         c_rp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
         c_sc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC)), 0)
@@ -542,15 +453,14 @@ if gluon is not None:
                                                n_slots, lat_smem.index(hs), sc_smem.index(hs), PAGE, stride_page,
                                                stride_row)
             async_copy.mbarrier_arrive(lat_full.index(hs), increment_count=False)
-            if A_REGS < 2:
-                # rope values of the whole tile (A_REGS 2: the compute warps gather them)
-                rs = j % ROPE_STAGES
-                mbarrier.wait(rope_empty.index(rs), ((j // ROPE_STAGES) & 1) ^ 1)
-                o_row, m_n = _sparse_mla_decode_gluon_rows(c_ir, n0 + o_rp, n_stop, n_slots, PAGE, stride_page,
-                                                           stride_row, True)
-                p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.bfloat16))
-                cp_async(rope_smem.index(rs), gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_n, 1))
-                async_copy.mbarrier_arrive(rope_full.index(rs), increment_count=False)
+            # rope values of the whole tile
+            rs = j % ROPE_STAGES
+            mbarrier.wait(rope_empty.index(rs), ((j // ROPE_STAGES) & 1) ^ 1)
+            o_row, m_n = _sparse_mla_decode_gluon_rows(c_ir, n0 + o_rp, n_stop, n_slots, PAGE, stride_page,
+                                                       stride_row, True)
+            p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.bfloat16))
+            cp_async(rope_smem.index(rs), gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_n, 1))
+            async_copy.mbarrier_arrive(rope_full.index(rs), increment_count=False)
 
     @gluon.jit
     def _sparse_mla_decode_gluon_pair_dq(lat, sc, k_smem, G: gl.constexpr, K: gl.constexpr, HALF: gl.constexpr,
@@ -568,7 +478,7 @@ if gluon is not None:
         lat_smem, sc_smem, rope_smem, k0_smem, k1_smem, k2_smem, k3_smem, q_smem, qr_smem, p_smem,
         q_bar, lat_full, lat_empty, rope_full, rope_empty,
         W: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr, LAT_STAGES: gl.constexpr,
-        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr, REL_HALF: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr,
     ):
         """One compute warpgroup of the pair kernel: tiles ``W, W + 2, ...`` of the split, each converted
         into this warpgroup's key buffers (one per latent group), scored, softmaxed and multiplied
@@ -618,14 +528,13 @@ if gluon is not None:
                 _sparse_mla_decode_gluon_pair_dq(lat, sc, k1_smem.index(0), 1, k, HALF, L_DQ)
                 _sparse_mla_decode_gluon_pair_dq(lat, sc, k2_smem.index(0), 2, k, HALF, L_DQ)
                 _sparse_mla_decode_gluon_pair_dq(lat, sc, k3_smem.index(0), 3, k, HALF, L_DQ)
-                if REL_HALF and k == 0:
-                    # every warp has read the first half: the loader may refill it
+                if k == 0:
+                    # every warp has read the first half: the loader may refill it while the second
+                    # half is converted (the loader runs at most 1.5 tiles ahead, and waits on this)
                     cta_barrier()
                     mbarrier.arrive(lat_empty.index(hs0))
             fence_async_shared()
             cta_barrier()
-            if not REL_HALF:
-                mbarrier.arrive(lat_empty.index(hs0))
             mbarrier.arrive(lat_empty.index(hs1))
             rs = j % ROPE_STAGES
             mbarrier.wait(rope_full.index(rs), (j // ROPE_STAGES) & 1)
@@ -662,181 +571,20 @@ if gluon is not None:
         return b_acc0, b_acc1, b_acc2, b_acc3, b_m, gl.sum(b_l2, axis=0)
 
     @gluon.jit
-    def _sparse_mla_decode_gluon_pair_compute_rs(
-        kv_ptr, idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row, stride_page, stride_row,
-        lat_smem, sc_smem, rope_smem, k0_smem, k1_smem, k2_smem, k3_smem, q_smem, qr_smem, p_smem,
-        q_bar, lat_full, lat_empty, rope_full, rope_empty,
-        W: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr, LAT_STAGES: gl.constexpr,
-        ROPE_STAGES: gl.constexpr, PAGE: gl.constexpr, ROPE_REGS: gl.constexpr, RAW_AHEAD: gl.constexpr,
-    ):
-        """``_pair_compute`` with the scores' key operand in registers: each latent group is converted
-        straight into the MMA's register fragment and its score MMA starts while the next group is
-        converted; the bf16 keys still go to the key buffers for ``O^T += V^T P^T``. The scores no
-        longer read the key buffers (64 KB of shared-memory reads per tile) nor wait for a barrier."""
-        BLOCK_N: gl.constexpr = 2 * HALF
-        L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_H, 16])
-        L_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_H, 16])
-        L_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=2)
-        # half tile [HALF, 128] of one group: lane 4 r + c converts bytes [32 c, 32 c + 32) of row 8 w + r
-        L_HALF: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
-            lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[HALF, 128])
-        L_SC4: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[HALF, 4])
-        L_ROW: gl.constexpr = gl.SliceLayout(1, L_HALF)
-        L_KEY: gl.constexpr = gl.SliceLayout(1, L_S)
-
-        p_idx = idx_ptr + i_r * stride_idx_row
-        o_nk = _sparse_mla_decode_gluon_key_of_row(gl.arange(0, BLOCK_N, layout=L_KEY))
-        o_n = n_start + W * BLOCK_N + o_nk
-        b_idx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
-        n_my = (n_tiles + 1 - W) // 2
-        b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_S))
-        b_l2 = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=L_S)
-        b_acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
-        b_acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
-        b_acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
-        b_acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=L_O)
-        if ROPE_REGS:
-            # rope rows of this warpgroup's next tile, gathered a tile ahead: lane 4 r + c holds columns
-            # [16 c, 16 c + 16) of slots 8 w + r and 32 + 8 w + r
-            L_RP: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 1], [0, 2], [0, 4], [32, 0]],
-                lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[BLOCK_N, 32])
-            c_r = gl.arange(0, 32, layout=gl.SliceLayout(0, L_RP))
-            o_nr = n_start + W * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_RP))
-            b_rope = _sparse_mla_decode_gluon_pair_rope_rows(kv_ptr, p_idx, o_nr, n_stop, n_slots, c_r, PAGE,
-                                                             stride_page, stride_row)
-        mbarrier.wait(q_bar, 0)
-        for t in range(n_my):
-            j = 2 * t + W
-            if ROPE_REGS:
-                b_rope_now = b_rope
-                o_nr = o_nr + 2 * BLOCK_N
-                b_rope = _sparse_mla_decode_gluon_pair_rope_rows(kv_ptr, p_idx, o_nr, n_stop, n_slots, c_r, PAGE,
-                                                                 stride_page, stride_row)
-            m_n = (o_n < n_stop) & (b_idx >= 0) & (b_idx < n_slots)
-            o_n = o_n + 2 * BLOCK_N
-            b_idx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
-            h0 = 2 * j
-            kz = j >> 30
-            hs0 = h0 % LAT_STAGES
-            hs1 = (h0 + 1) % LAT_STAGES
-            mbarrier.wait(lat_full.index(hs0), (h0 // LAT_STAGES) & 1)
-            mbarrier.wait(lat_full.index(hs1), ((h0 + 1) // LAT_STAGES) & 1)
-            # every warp's part of the previous tile's P V is done with the key buffers and P
-            cta_barrier()
-            lat0 = lat_smem.index(hs0)
-            lat1 = lat_smem.index(hs1)
-            s00, s01, s02, s03 = _sparse_mla_decode_gluon_pair_scales(sc_smem.index(hs0), L_SC4, L_ROW)
-            s10, s11, s12, s13 = _sparse_mla_decode_gluon_pair_scales(sc_smem.index(hs1), L_SC4, L_ROW)
-            # S^T [BN, BH]: each group's MMA runs while the next group is converted (two in flight)
-            b_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=L_S)
-            if RAW_AHEAD:
-                b_r00 = lat0.slice(0, 128, dim=1).load(L_HALF)
-                b_r01 = lat1.slice(0, 128, dim=1).load(L_HALF)
-                b_r10 = lat0.slice(128, 128, dim=1).load(L_HALF)
-                b_r11 = lat1.slice(128, 128, dim=1).load(L_HALF)
-                b_r20 = lat0.slice(256, 128, dim=1).load(L_HALF)
-                b_r21 = lat1.slice(256, 128, dim=1).load(L_HALF)
-                b_r30 = lat0.slice(384, 128, dim=1).load(L_HALF)
-                b_r31 = lat1.slice(384, 128, dim=1).load(L_HALF)
-                cta_barrier()
-                mbarrier.arrive(lat_empty.index(hs0))
-                mbarrier.arrive(lat_empty.index(hs1))
-                b_a0 = _sparse_mla_decode_gluon_pair_fragment(b_r00, b_r01, s00, s10, L_A)
-                k0_smem.index(kz).store(b_a0)
-                b_s = warpgroup_mma(b_a0, q_smem.index(kz + 0).permute((1, 0)), b_s, is_async=True)
-                b_a1 = _sparse_mla_decode_gluon_pair_fragment(b_r10, b_r11, s01, s11, L_A)
-                k1_smem.index(kz).store(b_a1)
-                b_s = warpgroup_mma(b_a1, q_smem.index(kz + 1).permute((1, 0)), b_s, is_async=True)
-            else:
-                b_a0 = _sparse_mla_decode_gluon_pair_fragment(lat0.slice(0, 128, dim=1).load(L_HALF),
-                                                              lat1.slice(0, 128, dim=1).load(L_HALF), s00, s10, L_A)
-                k0_smem.index(kz).store(b_a0)
-                b_s = warpgroup_mma(b_a0, q_smem.index(kz + 0).permute((1, 0)), b_s, is_async=True)
-                b_a1 = _sparse_mla_decode_gluon_pair_fragment(lat0.slice(128, 128, dim=1).load(L_HALF),
-                                                              lat1.slice(128, 128, dim=1).load(L_HALF), s01, s11,
-                                                              L_A)
-                k1_smem.index(kz).store(b_a1)
-                b_s = warpgroup_mma(b_a1, q_smem.index(kz + 1).permute((1, 0)), b_s, is_async=True)
-                # the bytes of groups 2 and 3 into registers: both half buffers go back to the loader
-                # before the MMAs are waited
-                b_r20 = lat0.slice(256, 128, dim=1).load(L_HALF)
-                b_r21 = lat1.slice(256, 128, dim=1).load(L_HALF)
-                b_r30 = lat0.slice(384, 128, dim=1).load(L_HALF)
-                b_r31 = lat1.slice(384, 128, dim=1).load(L_HALF)
-                cta_barrier()
-                mbarrier.arrive(lat_empty.index(hs0))
-                mbarrier.arrive(lat_empty.index(hs1))
-            b_s, b_a0, b_a1 = warpgroup_mma_wait(1, deps=[b_s, b_a0, b_a1])
-            b_a2 = _sparse_mla_decode_gluon_pair_fragment(b_r20, b_r21, s02, s12, L_A)
-            k2_smem.index(kz).store(b_a2)
-            b_s = warpgroup_mma(b_a2, q_smem.index(kz + 2).permute((1, 0)), b_s, is_async=True)
-            b_s, b_a1, b_a2 = warpgroup_mma_wait(1, deps=[b_s, b_a1, b_a2])
-            b_a3 = _sparse_mla_decode_gluon_pair_fragment(b_r30, b_r31, s03, s13, L_A)
-            k3_smem.index(kz).store(b_a3)
-            b_s = warpgroup_mma(b_a3, q_smem.index(kz + 3).permute((1, 0)), b_s, is_async=True)
-            if ROPE_REGS:
-                b_ar = _sparse_mla_decode_gluon_pair_rope_fragment(b_rope_now, L_A)
-                b_s = warpgroup_mma(b_ar, qr_smem.permute((1, 0)), b_s, is_async=True)
-                b_s, b_a2, b_a3, b_ar = warpgroup_mma_wait(0, deps=[b_s, b_a2, b_a3, b_ar])
-            else:
-                rs = j % ROPE_STAGES
-                mbarrier.wait(rope_full.index(rs), (j // ROPE_STAGES) & 1)
-                b_s = warpgroup_mma(rope_smem.index(rs), qr_smem.permute((1, 0)), b_s, is_async=True)
-                b_s, b_a2, b_a3 = warpgroup_mma_wait(0, deps=[b_s, b_a2, b_a3])
-
-            b_s = gl.where(gl.expand_dims(m_n, 1), b_s * qk_scale, float("-inf"))
-            b_m_new = gl.maximum(b_m, gl.max(b_s, axis=0))
-            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-            b_p = gl.exp2(b_s - gl.expand_dims(b_m_use, 0))
-            b_alpha = gl.exp2(b_m - b_m_use)
-            b_l2 = b_l2 * gl.expand_dims(b_alpha, 0) + b_p
-            b_m = b_m_new
-            p_smem.store(b_p.to(gl.bfloat16))
-            # the key buffers and P are visible to the MMAs of every warp
-            fence_async_shared()
-            cta_barrier()
-            if not ROPE_REGS:
-                mbarrier.arrive(rope_empty.index(rs))
-            # O^T [512, BH] += V^T P^T (rows in _sigma order)
-            b_a = gl.expand_dims(gl.convert_layout(b_alpha, gl.SliceLayout(0, L_O)), 0)
-            t_acc0 = warpgroup_mma(k0_smem.index(kz).permute((1, 0)), p_smem, b_acc0 * b_a, is_async=True)
-            t_acc1 = warpgroup_mma(k1_smem.index(kz).permute((1, 0)), p_smem, b_acc1 * b_a, is_async=True)
-            t_acc2 = warpgroup_mma(k2_smem.index(kz).permute((1, 0)), p_smem, b_acc2 * b_a, is_async=True)
-            t_acc3 = warpgroup_mma(k3_smem.index(kz).permute((1, 0)), p_smem, b_acc3 * b_a, is_async=True)
-            b_acc0, b_acc1, b_acc2, b_acc3 = warpgroup_mma_wait(0, deps=[t_acc0, t_acc1, t_acc2, t_acc3])
-        return b_acc0, b_acc1, b_acc2, b_acc3, b_m, gl.sum(b_l2, axis=0)
-
-    @gluon.jit
     def _sparse_mla_decode_gluon_pair_worker(
-        kv_ptr, idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row, stride_page, stride_row,
+        idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
         lat_smem, sc_smem, rope_smem, k0_smem, k1_smem, k2_smem, k3_smem, q_smem, qr_smem, p_smem, ml_smem,
         q_bar, lat_full, lat_empty, rope_full, rope_empty, merge_bar,
         W: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr, LAT_STAGES: gl.constexpr,
-        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr, A_REGS: gl.constexpr, REL_HALF: gl.constexpr,
-        PAGE: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr,
     ):
         """A compute partition: its tiles, then its ``O^T`` (over its own key buffers, which no one reads
         any more), running max and sum into shared memory for the merge."""
-        if A_REGS:
-            b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l = _sparse_mla_decode_gluon_pair_compute_rs(
-                kv_ptr, idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row, stride_page,
-                stride_row, lat_smem, sc_smem, rope_smem, k0_smem, k1_smem, k2_smem, k3_smem, q_smem, qr_smem,
-                p_smem, q_bar, lat_full, lat_empty, rope_full, rope_empty,
-                W, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, PAGE, A_REGS == 2, A_REGS == 3)
-        else:
-            b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l = _sparse_mla_decode_gluon_pair_compute(
-                idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
-                lat_smem, sc_smem, rope_smem, k0_smem, k1_smem, k2_smem, k3_smem, q_smem, qr_smem, p_smem,
-                q_bar, lat_full, lat_empty, rope_full, rope_empty,
-                W, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, DQ_VEC, REL_HALF)
+        b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l = _sparse_mla_decode_gluon_pair_compute(
+            idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
+            lat_smem, sc_smem, rope_smem, k0_smem, k1_smem, k2_smem, k3_smem, q_smem, qr_smem, p_smem,
+            q_bar, lat_full, lat_empty, rope_full, rope_empty,
+            W, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, DQ_VEC)
         cta_barrier()
         _sparse_mla_decode_gluon_o_view(k0_smem.index(0), BLOCK_H).store(b_acc0)
         _sparse_mla_decode_gluon_o_view(k1_smem.index(0), BLOCK_H).store(b_acc1)
@@ -880,7 +628,7 @@ if gluon is not None:
         PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, LAT_STAGES: gl.constexpr,
         ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr,
         SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
-        HAS_TOPK_LEN: gl.constexpr, COMPUTE_REGS: gl.constexpr, A_REGS: gl.constexpr, REL_HALF: gl.constexpr,
+        HAS_TOPK_LEN: gl.constexpr, COMPUTE_REGS: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_N // 2
         L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -901,19 +649,9 @@ if gluon is not None:
         i_q = i_r % rows_per_batch
 
         # ---- shared memory
-        if A_REGS:
-            # 16-byte pieces of a row rotated by the row: the register-operand conversion reads 32 bytes
-            # of 8 rows at once without bank conflicts
-            LAT_SL: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0])
-        else:
-            LAT_SL: gl.constexpr = RAW
-        lat_smem = gl.allocate_shared_memory(gl.uint8, [LAT_STAGES, HALF, 512], LAT_SL)
+        lat_smem = gl.allocate_shared_memory(gl.uint8, [LAT_STAGES, HALF, 512], RAW)
         sc_smem = gl.allocate_shared_memory(gl.float32, [LAT_STAGES, HALF, 4], RAW)
-        if A_REGS == 2:
-            # the compute warps gather the rope values into registers: no buffer
-            rope_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 8, 64], KR_SL)
-        else:
-            rope_smem = gl.allocate_shared_memory(gl.bfloat16, [ROPE_STAGES, BLOCK_N, 64], KR_SL)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [ROPE_STAGES, BLOCK_N, 64], KR_SL)
         # one key buffer per latent group and compute partition (stores into different buffers need no
         # barrier between them)
         ka0 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 128], K_SL)
@@ -936,10 +674,7 @@ if gluon is not None:
         rope_full = gl.allocate_shared_memory(gl.int64, [ROPE_STAGES, 1], mbarrier.MBarrierLayout())
         rope_empty = gl.allocate_shared_memory(gl.int64, [ROPE_STAGES, 1], mbarrier.MBarrierLayout())
         # copies: one arrival per loader thread; releases: one per tile; merge: one per compute partition
-        if A_REGS:
-            mbarrier.init(q_bar, count=1)
-        else:
-            mbarrier.init(q_bar, count=4 * 32)
+        mbarrier.init(q_bar, count=4 * 32)
         mbarrier.init(merge_bar, count=2)
         for s in gl.static_range(LAT_STAGES):
             mbarrier.init(lat_full.index(s), count=4 * 32)
@@ -958,19 +693,17 @@ if gluon is not None:
                 q_ptr, kv_ptr, idx_ptr, i_r, i_h, h_q, n_start, n_stop, n_tiles, n_slots,
                 stride_q_row, stride_q_head, stride_idx_row, stride_page, stride_row,
                 q_smem, qr_smem, lat_smem, sc_smem, rope_smem, q_bar, lat_full, lat_empty, rope_full,
-                rope_empty, PAGE, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, 4, A_REGS)),
+                rope_empty, PAGE, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, 4)),
             (_sparse_mla_decode_gluon_pair_worker, (
-                kv_ptr, idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row, stride_page,
-                stride_row,
+                idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
                 lat_smem, sc_smem, rope_smem, ka0, ka1, ka2, ka3, q_smem, qr_smem, p_smem0, ml_smem,
                 q_bar, lat_full, lat_empty, rope_full, rope_empty, merge_bar,
-                0, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, DQ_VEC, A_REGS, REL_HALF, PAGE)),
+                0, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, DQ_VEC)),
             (_sparse_mla_decode_gluon_pair_worker, (
-                kv_ptr, idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row, stride_page,
-                stride_row,
+                idx_ptr, i_r, n_start, n_stop, n_tiles, n_slots, qk_scale, stride_idx_row,
                 lat_smem, sc_smem, rope_smem, kb0, kb1, kb2, kb3, q_smem, qr_smem, p_smem1, ml_smem,
                 q_bar, lat_full, lat_empty, rope_full, rope_empty, merge_bar,
-                1, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, DQ_VEC, A_REGS, REL_HALF, PAGE)),
+                1, BLOCK_H, HALF, LAT_STAGES, ROPE_STAGES, DQ_VEC)),
         ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
         b_acc0, b_m, b_l = _sparse_mla_decode_gluon_pair_merge(ka0, kb0, ml_smem, merge_bar, BLOCK_H, L_S)
         b_acc1, b_m, b_l = _sparse_mla_decode_gluon_pair_merge(ka1, kb1, ml_smem, merge_bar, BLOCK_H, L_S)
@@ -980,7 +713,7 @@ if gluon is not None:
         _sparse_mla_decode_gluon_epilogue(
             b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l, sink_ptr, out_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q,
             stride_ob, stride_or, stride_os, stride_oh, stride_lb, stride_lr, stride_ls, stride_lh,
-            BLOCK_H, SPLIT, HAS_SINK, L_S, L_OUT, A_REGS)
+            BLOCK_H, SPLIT, HAS_SINK, L_S, L_OUT)
 
     @gluon.jit
     def _sparse_mla_decode_gluon_key_range(topk_len_ptr, i_b, i_s, topk, keys_per_split, BLOCK_N: gl.constexpr,
@@ -1024,20 +757,16 @@ if gluon is not None:
         b_acc0, b_acc1, b_acc2, b_acc3, b_m, b_l, sink_ptr, out_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q,
         stride_ob, stride_or, stride_os, stride_oh, stride_lb, stride_lr, stride_ls, stride_lh,
         BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, L_S: gl.constexpr,
-        L_OUT: gl.constexpr, PERMUTED: gl.constexpr = False,
+        L_OUT: gl.constexpr,
     ):
-        """Normalise ``O^T`` and write ``out`` / ``lse`` (or the split's partials); ``PERMUTED``: the rows
-        of each ``O^T`` block are in ``_sigma`` order."""
+        """Normalise ``O^T`` and write ``out`` / ``lse`` (or the split's partials)."""
         b_inv = _sparse_mla_decode_gluon_lse(b_m, b_l, sink_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q, stride_lb,
                                              stride_lr, stride_ls, stride_lh, BLOCK_H, SPLIT, HAS_SINK,
                                              gl.SliceLayout(0, L_S))
         b_inv_o = gl.expand_dims(gl.convert_layout(b_inv, gl.SliceLayout(0, L_OUT)), 0)
         o_ho = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, L_OUT))
         m_ho = gl.expand_dims(o_ho < h_q, 0)
-        o_d = gl.arange(0, 128, layout=gl.SliceLayout(1, L_OUT))
-        if PERMUTED:
-            o_d = _sparse_mla_decode_gluon_sigma(o_d)
-        o_d = gl.expand_dims(o_d, 1)
+        o_d = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(1, L_OUT)), 1)
         p_out = (out_ptr + i_b * stride_ob + i_q * stride_or + i_s * stride_os
                  + gl.expand_dims(o_ho.to(gl.int64) * stride_oh, 0) + o_d)
         _sparse_mla_decode_gluon_store(p_out, b_acc0, b_inv_o, m_ho, SPLIT, L_OUT)
