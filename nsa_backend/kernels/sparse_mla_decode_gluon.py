@@ -47,10 +47,12 @@ laid out so that 8 lanes copy 128 contiguous bytes of one row (2 rows per thread
 the page and row of a slot from unsigned arithmetic: 267 instructions per tile instead of 794 when
 each thread copied 16 bytes of 8 rows (the layout of the kernel above); the loader shares the SM
 sub-partitions with the compute warps, and the loop time follows the instructions they issue. Shared
-memory: 221,728 B. The ``P V`` MMAs are waited in the iteration that issues them (left in flight
+memory: 221,744 B. The ``P V`` MMAs are waited in the iteration that issues them (left in flight
 across the back edge, ptxas serialises every wgmma). H200 (h_q 16, topk 2048, page 64, CUDA graphs,
-same process, FlashMLA on heads padded to 64 in brackets): B 128 84.2 / 161.0 us at s_q 1 / 2 (113.1
-/ 220.4), B 32 37.0 / 53.3 us (47.4 / 73.2); with the previous loader 95.3 / 176.9 and 40.9 / 59.9.
+same process, FlashMLA on heads padded to 64 in brackets): B 128 83.2 / 152.9 us at s_q 1 / 2 (114.0
+/ 222.0), B 32 34.3 / 51.1 us with the split merge (47.6 / 73.9); releasing both halves after the
+conversion instead 82.9-83.5 / 158.7-159.0 and 34.0-34.5 / 51.9-52.4; with the previous loader 95.3 /
+176.9 and 40.9 / 59.9 (B 32 without the merge).
 Below 32 programs per split the kernel above is faster (B 16 s_q 1: 28.9 against 30.9 us). Probes at
 B 128 s_q 1 (parts removed, garbage data): no copies 80.8 us, no conversion 58.2: the compute warps
 are the critical path. Tried without gain (``bench/results/h200/tuning/sparse_mla_gluon.md``):
@@ -60,7 +62,11 @@ partitions alternating in tile order, a separate converter partition feeding two
 partitions (99 us), an exact conversion with integer operations instead of the fp8 unit (the f16
 with bits ``(b & 0x80) << 8 | (b & 0x7f) << 7`` is ``e4m3(b) * 2^-8``; half the ``F2FP`` but more
 instructions: 114 us), one copied row per thread (64-byte runs: 89.8 us), the light layouts in the
-kernel above (slower), releases by per-thread arrivals, and rescaling ``O^T`` only when a max grew.
+kernel above (slower), releases by per-thread arrivals, rescaling ``O^T`` only when a max grew, a
+fourth half buffer in place of a rope buffer (6-8 % slower), the scores' key operand converted
+straight into the MMA's register fragment (1-2 % faster at three shapes, slower at B 128 s_q 2 than the
+early release, and it permutes ``q``, the rope rows and the output), and the rope values gathered
+into registers by the compute warps (9-11 % slower).
 
 Outputs follow ``_sparse_mla_fwd_kernel``: with one split the final bf16 ``out``, the natural-log
 ``lse`` (``+inf`` for a row without a valid key) and ``attn_sink``; with several splits the
