@@ -632,8 +632,7 @@ if gluon is not None:
         stride_ob, stride_or, stride_os, stride_oh,
         stride_lb, stride_lr, stride_ls, stride_lh,
         PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, LAT_STAGES: gl.constexpr,
-        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr,
-        SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
+        ROPE_STAGES: gl.constexpr, DQ_VEC: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
         HAS_TOPK_LEN: gl.constexpr, COMPUTE_REGS: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_N // 2
@@ -679,7 +678,8 @@ if gluon is not None:
         lat_empty = gl.allocate_shared_memory(gl.int64, [LAT_STAGES, 1], mbarrier.MBarrierLayout())
         rope_full = gl.allocate_shared_memory(gl.int64, [ROPE_STAGES, 1], mbarrier.MBarrierLayout())
         rope_empty = gl.allocate_shared_memory(gl.int64, [ROPE_STAGES, 1], mbarrier.MBarrierLayout())
-        # copies: one arrival per loader thread; releases: one per tile; merge: one per compute partition
+        # copies: one arrival per loader thread; releases: one per use of a buffer; merge: one per compute
+        # partition
         mbarrier.init(q_bar, count=4 * 32)
         mbarrier.init(merge_bar, count=2)
         for s in gl.static_range(LAT_STAGES):
