@@ -83,6 +83,14 @@ LATE_DEPENDENTS = True
 # differed from run to run. SYNC_MMA uses the product in the same step, so Triton waits for it
 # before issuing the next loads: correct whatever ptxas does.
 SYNC_MMA = True
+# Stacked parts with K cut into chunks: the GEMM programs add their partial sums into d and sqr_sum with
+# fp32 atomics (zeroed by the split kernel) instead of leaving them to the chunk-sum kernel, unless
+# torch.use_deterministic_algorithms(True) is in force (then the fixed-order sum kernel runs, bit-identical
+# from call to call). H200, graph, N = 24, K = 28672, same run, alternating: M = 1024 / 1536 / 2048 / 3072 /
+# 4096 read a at 0.556-0.566 / 0.642-0.645 / 0.704-0.709 / 0.741-0.742 / 0.817-0.819 of the copy rate against
+# 0.525-0.526 / 0.615 / 0.682-0.687 / 0.712-0.715 / 0.811-0.812 with the sum kernel; equal at 8192 and 16384
+# (one chunk or two). The shipped routes and K plans stayed the fastest with atomics (sweep S).
+ATOMIC_CHUNK_SUMS = True
 SPLIT_B_BLOCK = 2048
 SPLIT_B_NUM_WARPS = 4
 

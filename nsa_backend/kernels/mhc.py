@@ -10,9 +10,12 @@ Layouts (all contiguous, row-major):
 
 The op reads ``a`` once and ``b`` once per M tile (from L2), so it is memory bound. To fill the
 GPU when ``M`` is small, every split is cut again into ``NUM_CHUNKS`` chunks of ``CHUNK_K`` columns,
-one program per ``(M tile, chunk)``; with more than one chunk the partial sums go to an fp32
-workspace ``[S * NUM_CHUNKS, M * N + M]`` and a second kernel adds them in a fixed order. No
-atomics: results are deterministic for a given shape and GPU.
+one program per ``(M tile, chunk)``. With more than one chunk the partial sums go to an fp32
+workspace ``[S * NUM_CHUNKS, M * N + M]`` and a second kernel adds them in a fixed order
+(deterministic for a given shape and GPU), or, on the stacked-parts path by default
+(``ATOMIC_CHUNK_SUMS``, unless ``torch.use_deterministic_algorithms(True)``), the GEMM programs add
+them into ``d`` and ``sqr_sum`` with fp32 atomics, which the split kernel zeroes first: one kernel
+less, results equal to the fp32 rounding of the additions but not bit-identical from call to call.
 
 Two ways to multiply with the fp32 ``b``, chosen by ``nsa_backend.configs.mhc.uses_b_parts``:
 
@@ -31,12 +34,12 @@ Two ways to multiply with the fp32 ``b``, chosen by ``nsa_backend.configs.mhc.us
   kernels use programmatic dependent launch: the GEMM starts while the split kernel runs, the
   reduction once every GEMM program has finished its loop (``LATE_DEPENDENTS``), and each waits for
   the kernel before it (``griddepcontrol``) before reading its output. H200 (N = 24, K = 28672, CUDA
-  graph): ``a`` read at 0.52-0.53 / 0.68 / 0.81-0.83 / 0.92-0.94 / 0.96-1.01 of the copy rate at
-  M = 1024 / 2048 / 4096 / 8192 / 16384 (a pure read of ``a``: 0.59-0.60 / 0.82-0.83 / 0.90-0.92 /
-  0.96-0.98 / 1.02-1.04); at M = 2048 the split and chunk-sum kernels take about 2.4 and 2.9 us of
-  the ~40 us. Sweeps, including the chunk sums and the split of ``b`` folded into the GEMM launch,
-  chunk sums waiting on arrival counters and ``a`` prefetched into L2 during the split (none faster)
-  and TF32 without parts (2-3x slower): ``bench/results/h200/tuning/mhc.parts.md``.
+  graph): ``a`` read at 0.56 / 0.70-0.71 / 0.82 / 0.91 / 0.97 of the copy rate at M = 1024 / 2048 /
+  4096 / 8192 / 16384 with the atomic chunk sums, 0.53 / 0.68-0.69 / 0.81 / 0.91 / 0.97 with the
+  chunk-sum kernel (a pure read of ``a``: 0.59 / 0.81 / 0.90 / 0.96 / 1.02). Sweeps, including the
+  chunk sums and the split of ``b`` folded into the GEMM launch, chunk sums waiting on arrival
+  counters and ``a`` prefetched into L2 during the split (none faster) and TF32 without parts (2-3x
+  slower): ``bench/results/h200/tuning/mhc.parts.md``.
 - in-loop split: every step splits the fp32 ``b`` tile into the three parts in registers and runs
   three MMAs (the path for other archs, other N tiles, small M and the ``tf32`` precision).
 """
@@ -96,13 +99,16 @@ def _mhc_prenorm_gemm_kernel(
     PARTS_TILE: tl.constexpr,
     BF16_DOT_AS_FP32: tl.constexpr,
     SYNC_MMA: tl.constexpr,
+    ATOMIC_SUMS: tl.constexpr = False,
 ):
     # a: [M, K] bf16. b: [N, K] fp32, or with B_PARTS its bf16 parts [P, N, K] (b = hi + mid + lo for
     # bf16x3, hi + lo for bf16x2). d: slot i_t at d_ptr + i_t * stride_dt, [M, N] fp32; sq: slot i_t at
     # sq_ptr + i_t * stride_st, [M] fp32. USE_PDL (programmatic dependent launch, sm_90+): the next
     # kernel may start its programs now (LATE_DEPENDENTS: once every program has finished its loop, so
     # that the waiting programs of the next kernel do not share the SMs during the loop); b (the parts)
-    # is read after the split kernel completed.
+    # is read after the split kernel completed. ATOMIC_SUMS: the chunks of split i_s add their partial
+    # sums into slot i_s with fp32 atomics (the slots zeroed by the split kernel) instead of storing
+    # slot i_t for the reduction kernel.
     if USE_PDL:
         if not LATE_DEPENDENTS:
             gdc_launch_dependents()
@@ -199,10 +205,16 @@ def _mhc_prenorm_gemm_kernel(
     if SQ_2D:
         b_sq = tl.sum(b_sq2, axis=1)
 
-    p_d = d_ptr + i_t.to(tl.int64) * stride_dt + o_m.to(tl.int64)[:, None] * N + o_n[None, :]
-    tl.store(p_d, b_acc, mask=m_m[:, None] & m_n[None, :])
-    p_sq = sq_ptr + i_t.to(tl.int64) * stride_st + o_m
-    tl.store(p_sq, b_sq, mask=m_m)
+    i_o = i_s if ATOMIC_SUMS else i_t
+    p_d = d_ptr + i_o.to(tl.int64) * stride_dt + o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    p_sq = sq_ptr + i_o.to(tl.int64) * stride_st + o_m
+    if ATOMIC_SUMS:
+        # No result is read back, so these compile to fire-and-forget reductions in L2.
+        tl.atomic_add(p_d, b_acc, mask=m_m[:, None] & m_n[None, :], sem="relaxed")
+        tl.atomic_add(p_sq, b_sq, mask=m_m, sem="relaxed")
+    else:
+        tl.store(p_d, b_acc, mask=m_m[:, None] & m_n[None, :])
+        tl.store(p_sq, b_sq, mask=m_m)
 
 
 @triton.jit
@@ -210,18 +222,28 @@ def _mhc_prenorm_split_b_kernel(
     b_ptr,
     bp_ptr,
     NK,
+    d_ptr,
+    D_NUMEL,
+    sq_ptr,
+    SQ_NUMEL,
     NUM_PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ZERO_OUT: tl.constexpr = False,
 ):
     # b: [N, K] fp32 -> bp: [NUM_PARTS, N, K] bf16 with b = hi + mid + lo (NUM_PARTS = 3: each part the
     # bf16 rounding of what the previous parts leave, 24 significant bits in all, so the split is exact
     # for normal values) or b ~ hi + lo (NUM_PARTS = 2: 16 significant bits). USE_PDL: the GEMM kernel
     # that follows (launched with programmatic dependent launch) may start now; it waits for this one.
+    # ZERO_OUT: also zero d [D_NUMEL] and sq [SQ_NUMEL] fp32, which the GEMM then adds its chunks into
+    # (the grid covers max(NK, D_NUMEL) / BLOCK programs).
     if USE_PDL:
         gdc_launch_dependents()
     i_b = tl.program_id(0)
     o = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if ZERO_OUT:
+        tl.store(d_ptr + o, tl.zeros([BLOCK], dtype=tl.float32), mask=o < D_NUMEL)
+        tl.store(sq_ptr + o, tl.zeros([BLOCK], dtype=tl.float32), mask=o < SQ_NUMEL)
     m = o < NK
     b_b = tl.load(b_ptr + o, mask=m, other=0.0)
     b_hi = b_b.to(tl.bfloat16)
@@ -348,15 +370,20 @@ def _num_parts(precision: str) -> int:
     return 2 if precision == "bf16x2" else 3
 
 
-def _split_b(b: torch.Tensor, precision: str = "bf16x3", pdl: bool = False) -> torch.Tensor:
+def _split_b(b: torch.Tensor, precision: str = "bf16x3", pdl: bool = False,
+             zero_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``[P, N, K]`` bf16 parts of the fp32 ``b``: ``b = hi + mid + lo`` (``bf16x3``) or
     ``b ~ hi + lo`` (``bf16x2``). ``pdl``: the next kernel (launched with programmatic dependent
-    launch) may start early."""
+    launch) may start early. ``zero_out``: ``(d, sqr_sum)`` (contiguous fp32) zeroed by the same
+    launch."""
     N, K = b.shape
     parts = torch.empty((_num_parts(precision), N, K), dtype=torch.bfloat16, device=b.device)
-    grid = (triton.cdiv(N * K, cfgs.SPLIT_B_BLOCK),)
-    _mhc_prenorm_split_b_kernel[grid](b, parts, N * K, NUM_PARTS=_num_parts(precision),
-                                      BLOCK=cfgs.SPLIT_B_BLOCK, USE_PDL=pdl, num_warps=cfgs.SPLIT_B_NUM_WARPS)
+    d, sq = zero_out if zero_out is not None else (b, b)
+    d_numel, sq_numel = (d.numel(), sq.numel()) if zero_out is not None else (0, 0)
+    grid = (triton.cdiv(max(N * K, d_numel), cfgs.SPLIT_B_BLOCK),)
+    _mhc_prenorm_split_b_kernel[grid](b, parts, N * K, d, d_numel, sq, sq_numel, NUM_PARTS=_num_parts(precision),
+                                      BLOCK=cfgs.SPLIT_B_BLOCK, USE_PDL=pdl, ZERO_OUT=zero_out is not None,
+                                      num_warps=cfgs.SPLIT_B_NUM_WARPS)
     return parts
 
 
@@ -372,13 +399,17 @@ def _launch(
     precision: str,
     b_parts: bool = False,
     pdl: bool = False,
+    atomic_sums: bool = False,
 ) -> None:
     """Launch the kernels for ``d [S, M, N]`` and ``sqr_sum [S, M]`` (``S = num_splits``).
 
     With ``b_parts`` (``bf16x3`` or ``bf16x2``) ``b`` is split into its stacked bf16 parts by a first
-    kernel; K chunks (``plan``) are added by a last kernel. With ``pdl`` (stacked parts, sm_90+) the
-    GEMM and reduction kernels are launched with programmatic dependent launch: each starts while
-    the kernel before it runs and waits for it in-kernel, which hides the launch gaps between them.
+    kernel; K chunks (``plan``) are added by a last kernel, or, with ``atomic_sums`` (stacked parts
+    only), by the GEMM programs themselves with fp32 atomics into ``d`` and ``sqr_sum``, which the
+    split kernel zeroes first (one launch less; the order of the additions, and so the last bits,
+    then vary from call to call). With ``pdl`` (stacked parts, sm_90+) the GEMM and reduction kernels
+    are launched with programmatic dependent launch: each starts while the kernel before it runs and
+    waits for it in-kernel, which hides the launch gaps between them.
     """
     M, K = a.shape
     N = b.shape[0]
@@ -386,20 +417,21 @@ def _launch(
     slots = num_splits * num_chunks
     b_parts = b_parts and precision in ("bf16x3", "bf16x2")
     pdl = pdl and b_parts and not envs.triton_interpret()
-    if num_chunks == 1:
+    atomic_sums = atomic_sums and b_parts and num_chunks > 1
+    if num_chunks == 1 or atomic_sums:
         out_d, out_sq, stride_dt, stride_st = d, sqr_sum, M * N, M
     else:
         ws = torch.empty((slots, M * N + M), dtype=torch.float32, device=a.device)
         out_d, out_sq, stride_dt, stride_st = ws, ws[:, M * N:], M * N + M, M * N + M
-    b_in = _split_b(b, precision, pdl) if b_parts else b
+    b_in = _split_b(b, precision, pdl, (d, sqr_sum) if atomic_sums else None) if b_parts else b
     grid = (triton.cdiv(M, config.block_m), slots)
     _mhc_prenorm_gemm_kernel[grid](
         a, b_in, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, PRECISION=precision, B_PARTS=b_parts,
-        SQ_2D=b_parts, USE_PDL=pdl, LATE_DEPENDENTS=cfgs.LATE_DEPENDENTS, num_warps=config.num_warps,
-        num_stages=config.num_stages, launch_pdl=pdl,
+        SQ_2D=b_parts, USE_PDL=pdl, LATE_DEPENDENTS=cfgs.LATE_DEPENDENTS, ATOMIC_SUMS=atomic_sums,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
-    if num_chunks > 1:
+    if num_chunks > 1 and not atomic_sums:
         block_j, block = cfgs.reduce_blocks(num_chunks)
         grid = (triton.cdiv(M * N + M, block), num_splits)
         _mhc_prenorm_reduce_kernel[grid](ws, d, sqr_sum, M, N, num_chunks, BLOCK=block, BLOCK_J=block_j,
@@ -450,8 +482,11 @@ def tf32_hc_prenorm_gemm_triton(
     4096 / 8192 / 16384 (N = 24, K = 28672), against 8.8e-6 / 1.8e-5 / 4.1e-5 / 8.5e-5 / 1.7e-4 for
     three parts in the same run: the reference's own fp32 rounding dominates both.
 
-    Deterministic: K is split across programs without atomics; partial sums are added in a fixed
-    order by a second kernel.
+    Determinism: where K is cut into chunks on the stacked-parts path, the chunks' partial sums are
+    added with fp32 atomics (``nsa_backend.configs.mhc.ATOMIC_CHUNK_SUMS``), so the last bits may
+    differ from call to call; under ``torch.use_deterministic_algorithms(True)`` a second kernel adds
+    them in a fixed order instead (bit-identical results, one launch more: 0.68-0.69 instead of
+    0.70-0.71 of the copy rate at M = 2048 on the H200). Every other path is deterministic.
     """
     M, K = a.shape
     N = b.shape[0]
@@ -464,7 +499,8 @@ def tf32_hc_prenorm_gemm_triton(
     block_n, config, plan, b_parts = _plan(M, N, K, splits, index)
     precision = cfgs.PARTS_PRECISION if b_parts else cfgs.DEFAULT_PRECISION
     pdl = b_parts and index is not None and _pdl_enabled(device_arch(a.device))
-    _launch(a, b, d, sqr_sum, splits, block_n, config, plan, precision, b_parts, pdl)
+    atomic_sums = cfgs.ATOMIC_CHUNK_SUMS and not torch.are_deterministic_algorithms_enabled()
+    _launch(a, b, d, sqr_sum, splits, block_n, config, plan, precision, b_parts, pdl, atomic_sums)
 
 
 _GEMM_SIGNATURE: dict[str, str] = {
@@ -473,10 +509,12 @@ _GEMM_SIGNATURE: dict[str, str] = {
     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr",
     "B_PARTS": "constexpr", "SQ_2D": "constexpr", "USE_PDL": "constexpr", "LATE_DEPENDENTS": "constexpr",
     "EVEN_K": "constexpr", "PARTS_TILE": "constexpr", "BF16_DOT_AS_FP32": "constexpr", "SYNC_MMA": "constexpr",
+    "ATOMIC_SUMS": "constexpr",
 }
 _SPLIT_B_SIGNATURE: dict[str, str] = {
-    "b_ptr": "*fp32", "bp_ptr": "*bf16", "NK": "i32", "NUM_PARTS": "constexpr", "BLOCK": "constexpr",
-    "USE_PDL": "constexpr",
+    "b_ptr": "*fp32", "bp_ptr": "*bf16", "NK": "i32", "d_ptr": "*fp32", "D_NUMEL": "i32", "sq_ptr": "*fp32",
+    "SQ_NUMEL": "i32", "NUM_PARTS": "constexpr", "BLOCK": "constexpr", "USE_PDL": "constexpr",
+    "ZERO_OUT": "constexpr",
 }
 _REDUCE_SIGNATURE: dict[str, str] = {
     "ws_ptr": "*fp32", "d_ptr": "*fp32", "sq_ptr": "*fp32", "M": "i32", "N": "i32", "NUM_CHUNKS": "i32",
@@ -488,7 +526,7 @@ _REDUCE_SIGNATURE: dict[str, str] = {
 # multiples of 64): the ahead-of-time compile uses the same hints, so loads are vectorised and
 # pipelined through shared memory as in the real launch, and the shared-memory figure is the real one.
 _GEMM_DIVISIBLE: tuple[str, ...] = ("a_ptr", "b_ptr", "d_ptr", "sq_ptr", "K", "SPLIT_K", "CHUNK_K")
-_SPLIT_B_DIVISIBLE: tuple[str, ...] = ("b_ptr", "bp_ptr", "NK")
+_SPLIT_B_DIVISIBLE: tuple[str, ...] = ("b_ptr", "bp_ptr", "NK", "d_ptr", "sq_ptr")
 _REDUCE_DIVISIBLE: tuple[str, ...] = ("ws_ptr", "d_ptr", "sq_ptr")
 
 
@@ -499,8 +537,8 @@ def _compile(kernel: Any, signature: dict[str, str], divisible: tuple[str, ...],
     return compile_for_arch(kernel, signature, constexprs, arch, num_warps, num_stages, aligned=divisible)
 
 
-def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: bool, pdl: bool = False
-                  ) -> tuple[dict[str, str], dict[str, Any]]:
+def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: bool, pdl: bool = False,
+                  atomic_sums: bool = False) -> tuple[dict[str, str], dict[str, Any]]:
     """Signature and constexprs of the GEMM kernel as :func:`_launch` runs it."""
     b_parts = b_parts and precision in ("bf16x3", "bf16x2")
     signature = dict(_GEMM_SIGNATURE, b_ptr="*bf16" if b_parts else "*fp32")
@@ -508,7 +546,7 @@ def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: b
                   "B_PARTS": b_parts, "SQ_2D": b_parts, "USE_PDL": pdl and b_parts,
                   "LATE_DEPENDENTS": cfgs.LATE_DEPENDENTS,
                   "EVEN_K": cfg.block_k == 64, "PARTS_TILE": _parts_tile(precision),
-                  "BF16_DOT_AS_FP32": False, "SYNC_MMA": cfgs.SYNC_MMA}
+                  "BF16_DOT_AS_FP32": False, "SYNC_MMA": cfgs.SYNC_MMA, "ATOMIC_SUMS": atomic_sums and b_parts}
     return signature, constexprs
 
 
@@ -527,15 +565,19 @@ def compile_shipped(arch: int) -> list[Any]:
     for block_n, cfg, b_parts in shipped:
         precisions = [cfgs.PARTS_PRECISION] if b_parts else [
             p for p in cfgs.PRECISIONS if p == cfgs.DEFAULT_PRECISION or block_n == cfgs.BLOCK_N_BUCKETS[-1]]
+        # The stacked parts also run with their chunks added by atomics (ATOMIC_CHUNK_SUMS).
+        sums = (False, True) if b_parts and cfgs.ATOMIC_CHUNK_SUMS else (False,)
         for precision in precisions:
-            signature, constexprs = _gemm_variant(block_n, cfg, precision, b_parts, pdl)
-            out.append(_compile(_mhc_prenorm_gemm_kernel.fn, signature, _GEMM_DIVISIBLE, constexprs, arch,
-                                cfg.num_warps, cfg.num_stages))
+            for atomic_sums in sums:
+                signature, constexprs = _gemm_variant(block_n, cfg, precision, b_parts, pdl, atomic_sums)
+                out.append(_compile(_mhc_prenorm_gemm_kernel.fn, signature, _GEMM_DIVISIBLE, constexprs, arch,
+                                    cfg.num_warps, cfg.num_stages))
     parts = any(b_parts for _, _, b_parts in shipped)
     if parts:
-        out.append(_compile(_mhc_prenorm_split_b_kernel, _SPLIT_B_SIGNATURE, _SPLIT_B_DIVISIBLE,
-                            {"NUM_PARTS": _num_parts(cfgs.PARTS_PRECISION), "BLOCK": cfgs.SPLIT_B_BLOCK,
-                             "USE_PDL": pdl}, arch, cfgs.SPLIT_B_NUM_WARPS, 3))
+        for zero_out in sorted({False, cfgs.ATOMIC_CHUNK_SUMS}):
+            out.append(_compile(_mhc_prenorm_split_b_kernel, _SPLIT_B_SIGNATURE, _SPLIT_B_DIVISIBLE,
+                                {"NUM_PARTS": _num_parts(cfgs.PARTS_PRECISION), "BLOCK": cfgs.SPLIT_B_BLOCK,
+                                 "USE_PDL": pdl, "ZERO_OUT": zero_out}, arch, cfgs.SPLIT_B_NUM_WARPS, 3))
     for use_pdl in sorted({False, parts and pdl}):
         for block_j, block in cfgs.shipped_reduce_blocks():
             out.append(_compile(_mhc_prenorm_reduce_kernel, _REDUCE_SIGNATURE, _REDUCE_DIVISIBLE,
