@@ -14,6 +14,9 @@ Shapes (full mode; quick mode keeps the smallest of each):
   kernel that reads the cache once can be faster at that size, so ``vs_read_kv`` of a Triton row
   (the read's time over the row's) is its share of the attainable speed. At 4K the read itself
   stays well below the 2 GiB copy rate (ramp-up and the per-call cost weigh on a 69 MB read).
+  ``read_kv_logits`` (and ``-graph``) reads the same pages and also writes the op's output, the
+  ``[B, next_n, L]`` fp32 logits (zeros): the least traffic of any implementation of the op, so
+  ``vs_read_kv_logits`` is the share of what a kernel that does no arithmetic at all would reach.
 
 Baselines: ``torch``, a vectorised plain-torch implementation (dequantise + bf16 matmul, chunked
 over keys) of the kind that runs where no native kernel exists (SM120 today), and ``deep_gemm``
@@ -69,11 +72,14 @@ def _time(fn, graph: bool = False) -> tuple[float | None, str | None]:
 
 
 @triton.jit
-def _read_kv_pages_kernel(cache_ptr, table_ptr, out_ptr, n_pages, stride_page, stride_table,
-                          PAGE_WORDS: tl.constexpr, BLOCK: tl.constexpr, PAGES: tl.constexpr):
-    # One program reads PAGES consecutive block-table entries of one request, as int32 words.
+def _read_kv_pages_kernel(cache_ptr, table_ptr, out_ptr, logits_ptr, n_pages, stride_page, stride_table,
+                          stride_lb, stride_lr, PAGE_WORDS: tl.constexpr, BLOCK: tl.constexpr, PAGES: tl.constexpr,
+                          PAGE: tl.constexpr, NEXT_N: tl.constexpr):
+    # One program reads PAGES consecutive block-table entries of one request, as int32 words; with
+    # NEXT_N > 0 it also writes zeros over the logits of those pages' tokens for every row.
     i_b, i_p = tl.program_id(0), tl.program_id(1)
     o_w = tl.arange(0, BLOCK)
+    o_t = tl.arange(0, PAGE)
     b_acc = tl.zeros([BLOCK], dtype=tl.int32)
     for j in range(PAGES):
         i_pg = i_p * PAGES + j
@@ -82,20 +88,37 @@ def _read_kv_pages_kernel(cache_ptr, table_ptr, out_ptr, n_pages, stride_page, s
             for w0 in range(0, PAGE_WORDS, BLOCK):
                 m = w0 + o_w < PAGE_WORDS
                 b_acc ^= tl.load(cache_ptr + page * stride_page + w0 + o_w, mask=m, other=0)
+            for r in range(NEXT_N):
+                p_l = logits_ptr + i_b.to(tl.int64) * stride_lb + r * stride_lr + i_pg * PAGE + o_t
+                tl.store(p_l, tl.zeros([PAGE], dtype=tl.float32))
     tl.store(out_ptr + i_b * tl.num_programs(1) + i_p, tl.xor_sum(b_acc, axis=0))
 
 
 READ_PAGES_PER_PROGRAM = 4
 
 
-def read_kv_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Pure read of every page of ``table`` (``[B, n_pages]`` i32) in ``cache`` (``[P, page, 1, D + 4]`` u8)."""
+def read_kv_pages(cache: torch.Tensor, table: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure read of every page of ``table`` (``[B, n_pages]`` i32) in ``cache`` (``[P, page, 1, D + 4]`` u8).
+
+    Returns the xor of each program's words (``[B * cdiv(n_pages, READ_PAGES_PER_PROGRAM)]`` i32, so the
+    reads are not optimised away). With ``logits`` (``[B, next_n, >= n_pages * page]`` fp32, last dim
+    contiguous) the pages' columns of every row are also overwritten with zeros: the op's output traffic.
+    """
     words = cache.view(cache.shape[0], -1).view(torch.int32)
     B, n_pages = table.shape
+    page = cache.shape[1]
+    if logits is not None and (logits.dtype != torch.float32 or logits.dim() != 3 or logits.shape[0] != B
+                               or logits.shape[2] < n_pages * page or logits.stride(2) != 1):
+        raise ValueError(f"logits: fp32 [B={B}, next_n, >= {n_pages * page}] with a contiguous last dim; got "
+                         f"{logits.dtype} {tuple(logits.shape)} strides {logits.stride()}")
     grid = (B, triton.cdiv(n_pages, READ_PAGES_PER_PROGRAM))
     out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=cache.device)
-    _read_kv_pages_kernel[grid](words, table, out, n_pages, words.stride(0), table.stride(0),
-                                PAGE_WORDS=words.shape[1], BLOCK=1024, PAGES=READ_PAGES_PER_PROGRAM, num_warps=8)
+    next_n = logits.shape[1] if logits is not None else 0
+    _read_kv_pages_kernel[grid](
+        words, table, out, logits if logits is not None else out, n_pages, words.stride(0), table.stride(0),
+        logits.stride(0) if logits is not None else 0, logits.stride(1) if logits is not None else 0,
+        PAGE_WORDS=words.shape[1], BLOCK=1024, PAGES=READ_PAGES_PER_PROGRAM, PAGE=page, NEXT_N=next_n,
+        num_warps=8)
     return out
 
 
@@ -191,8 +214,8 @@ def _ragged_rows(S: int, N: int, H: int, D: int, fp8_rate: float | None, dg) -> 
     return rows
 
 
-def _vs_read(read_ms: float | None, ms: float | None) -> dict[str, float]:
-    return {"vs_read_kv": read_ms / ms} if (read_ms and ms) else {}
+def _vs_read(read_ms: float | None, ms: float | None, name: str = "vs_read_kv") -> dict[str, float]:
+    return {name: read_ms / ms} if (read_ms and ms) else {}
 
 
 def _paged_rows(B: int, L: int, next_n: int, H: int, D: int, copy_rate: float | None,
@@ -212,11 +235,16 @@ def _paged_rows(B: int, L: int, next_n: int, H: int, D: int, copy_rate: float | 
     # The attainable speed at this size: a pure read of the same pages, plain and graphed.
     r_ms, r_note = _time(lambda: read_kv_pages(cache, table))
     rg_ms, rg_note = _time(lambda: read_kv_pages(cache, table), graph=True)
-    rows[0]["ratios"].update(_vs_read(r_ms, ms))
+    # ... and that read plus the op's writes (the logits), the least traffic of the op
+    logits = torch.empty(B, next_n, L, dtype=torch.float32, device=cache.device)
+    rl_ms, rl_note = _time(lambda: read_kv_pages(cache, table, logits))
+    rlg_ms, rlg_note = _time(lambda: read_kv_pages(cache, table, logits), graph=True)
+    rows[0]["ratios"].update({**_vs_read(r_ms, ms), **_vs_read(rl_ms, ms, "vs_read_kv_logits")})
     rows.append(_row("fp8_paged_mqa_logits", shape, "triton-graph", g_ms, None, kv_bytes, limit=["copy_gbps"],
                      note=g_note, vs_copy=(g_rate / copy_rate) if (g_rate and copy_rate) else None,
-                     **_vs_read(rg_ms, g_ms)))
-    for impl, t, n in (("read_kv", r_ms, r_note), ("read_kv-graph", rg_ms, rg_note)):
+                     **_vs_read(rg_ms, g_ms), **_vs_read(rlg_ms, g_ms, "vs_read_kv_logits")))
+    for impl, t, n in (("read_kv", r_ms, r_note), ("read_kv-graph", rg_ms, rg_note),
+                       ("read_kv_logits", rl_ms, rl_note), ("read_kv_logits-graph", rlg_ms, rlg_note)):
         rate = kv_bytes / t / 1e6 if t else None
         rows.append(_row("fp8_paged_mqa_logits", shape, impl, t, None, kv_bytes, limit=["copy_gbps"], note=n,
                          of_copy=(rate / copy_rate) if (rate and copy_rate) else None))

@@ -345,3 +345,36 @@ def test_plots_skipped_without_matplotlib(monkeypatch, tmp_path):
     with pytest.warns(RuntimeWarning, match="matplotlib is not installed"):
         assert write_plots(_valid_result(), tmp_path) == []
     assert not list(tmp_path.iterdir())
+
+
+def test_read_kv_pages_reads_every_page_and_writes_the_logits():
+    """The paged logits' reference reads: the xor of each program's cache words, and with ``logits`` zeros
+    over exactly the pages' columns of every row (the op's output bytes)."""
+    from nsa_backend.bench.indexer import READ_PAGES_PER_PROGRAM, read_kv_pages
+
+    g = torch.Generator().manual_seed(0)
+    P, page, D, B, n_pages = 11, 64, 128, 2, READ_PAGES_PER_PROGRAM + 1
+    cache = torch.randint(0, 256, (P, page, 1, D + 4), dtype=torch.uint8, generator=g)
+    table = torch.randperm(P, generator=g)[: B * n_pages].int().view(B, n_pages)
+    words = cache.view(P, -1).view(torch.int32)
+
+    def want_xor() -> list[int]:
+        out = []
+        for b in range(B):
+            for p0 in range(0, n_pages, READ_PAGES_PER_PROGRAM):
+                w = words[table[b, p0:p0 + READ_PAGES_PER_PROGRAM].long()].flatten()
+                acc = 0
+                for v in w.tolist():
+                    acc ^= v
+                out.append(acc)
+        return out
+
+    assert read_kv_pages(cache, table).tolist() == want_xor()
+    logits = torch.full((B, 2, n_pages * page + 7), float("nan"))
+    assert read_kv_pages(cache, table, logits).tolist() == want_xor()
+    assert torch.equal(logits[..., : n_pages * page], torch.zeros(B, 2, n_pages * page))
+    assert torch.isnan(logits[..., n_pages * page:]).all()
+    with pytest.raises(ValueError, match="logits"):
+        read_kv_pages(cache, table, torch.zeros(B, 2, n_pages * page - 1))
+    with pytest.raises(ValueError, match="logits"):
+        read_kv_pages(cache, table, torch.zeros(B, 2, n_pages * page, dtype=torch.float64))
