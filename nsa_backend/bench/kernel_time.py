@@ -16,8 +16,9 @@ The rows, each timed both ways in one process:
 
 - the copy rate (a device-to-device ``copy_`` of 2 GiB, as ``nsa_backend.bench.limits``) and an
   empty kernel (the fixed cost);
-- ``fp8_paged_mqa_logits`` (B 128, H 64, D 128, contexts 4K..64K, next_n 1 and 2) and a pure read of
-  the same pages, as bytes of KV per second over the copy rate;
+- ``fp8_paged_mqa_logits`` (B 128, H 64, D 128, contexts 4K..64K, next_n 1 and 2), a pure read of
+  the same pages and that read with the op's logits written (``read_kv_logits``), as bytes of KV per
+  second over the copy rate;
 - ``tf32_hc_prenorm_gemm`` (N 24, K 28672, M 1024..16384) and a pure read of ``a``, as bytes of ``a``
   per second over the copy rate;
 - ``sparse_mla_decode`` (fp8_ds_mla, top-k 2048, B 32 and 128, s_q 1 and 2, h_q 16 / 32 / 64 / 128)
@@ -189,8 +190,11 @@ def _paged_case(evict: _Evictor, L: int, next_n: int) -> list[dict[str, Any]]:
     def ours() -> torch.Tensor:
         return nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, L, impl="triton")
 
+    logits = torch.empty(128, next_n, L, dtype=torch.float32, device="cuda")
     return [_row("fp8_paged_mqa_logits", shape, "triton", _both(ours, evict), kv_bytes),
-            _row("fp8_paged_mqa_logits", shape, "read_kv", _both(lambda: read_kv_pages(cache, table), evict), kv_bytes)]
+            _row("fp8_paged_mqa_logits", shape, "read_kv", _both(lambda: read_kv_pages(cache, table), evict), kv_bytes),
+            _row("fp8_paged_mqa_logits", shape, "read_kv_logits",
+                 _both(lambda: read_kv_pages(cache, table, logits), evict), kv_bytes)]
 
 
 def _paged_rows(evict: _Evictor, quick: bool) -> list[dict[str, Any]]:
