@@ -170,6 +170,7 @@ def dsa_sparse_attention(
     kv_format: str = "fp8_ds_mla",
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
+    kv_scale_format: str | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Sparse MLA over the selected keys: decode reads the paged cache, prefill bf16 key rows.
@@ -184,6 +185,9 @@ def dsa_sparse_attention(
         ``[T, h_q, d_qk]`` ``bfloat16`` (absorbed latent queries: 512 latent + 64 rope).
     kv_cache : torch.Tensor
         Attention cache in ``kv_format`` ("fp8_ds_mla" or "bf16"), this step's tokens written.
+    kv_scale_format : str, optional
+        The scale format the fp8_ds_mla cache was written with (``"pow2"`` / ``"arbitrary"``), passed to
+        :func:`nsa_backend.sparse_mla_decode`.
 
     Returns
     -------
@@ -197,7 +201,8 @@ def dsa_sparse_attention(
         rows = slice(0, dec.num_tokens)
         idx = selection.global_slots[rows].view(dec.num_reqs, dec.next_n, -1)
         q_dec = q[rows].reshape(dec.num_reqs, dec.next_n, h_q, d_qk)
-        o, _ = sparse_mla_decode(q_dec, kv_cache, idx, sm_scale, d_v, kv_format, attn_sink, impl=impl)
+        o, _ = sparse_mla_decode(q_dec, kv_cache, idx, sm_scale, d_v, kv_format, attn_sink,
+                                 kv_scale_format=kv_scale_format, impl=impl)
         parts.append((rows, o.view(dec.num_tokens, h_q, d_v)))
     pre = md.prefill
     if pre is not None and pre.num_tokens:

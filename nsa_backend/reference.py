@@ -366,7 +366,9 @@ def sparse_mla_decode(
     kv_format: str = "fp8_ds_mla",
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    kv_scale_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # the keys are bf16(e4m3 * scale) whatever the scale format (kv_scale_format is a kernel hint)
     B, s_q, h_q, d_qk = q.shape
     topk = indices.shape[-1]
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]

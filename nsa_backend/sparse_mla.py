@@ -14,6 +14,7 @@ import torch
 
 from nsa_backend._checks import check_choice, check_float, check_int, check_tensor
 from nsa_backend._dispatch import custom_op, get_impl, resolve_impl
+from nsa_backend.quant import SCALE_FORMATS
 from nsa_backend.reference import DS_MLA_TOKEN_BYTES
 
 D_QK_CHOICES = (512, 576)
@@ -125,14 +126,14 @@ def flash_mla_sparse_fwd(
 @custom_op("nsa_backend::sparse_mla_decode", mutates_args=())
 def _sparse_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
                       kv_format: str, attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
-                      impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_scale_format: str | None, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = get_impl("sparse_mla_decode", impl)(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
-                                                   topk_length)
+                                                   topk_length, kv_scale_format)
     return out.contiguous(), lse.contiguous()
 
 
 @_sparse_decode_op.register_fake
-def _(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length, impl):
+def _(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length, kv_scale_format, impl):
     B, s_q, h_q, _ = q.shape
     return q.new_empty((B, s_q, h_q, d_v), dtype=torch.bfloat16), q.new_empty((B, h_q, s_q), dtype=torch.float32)
 
@@ -170,6 +171,7 @@ def sparse_mla_decode(
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     *,
+    kv_scale_format: str | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode over a paged KV cache addressed by global slots.
@@ -195,6 +197,12 @@ def sparse_mla_decode(
         ``[h_q]`` ``float32`` attention sink (see :func:`flash_mla_sparse_fwd`).
     topk_length : torch.Tensor, optional
         ``[B]`` ``int32``: only the first ``topk_length[b]`` indices of request ``b`` count.
+    kv_scale_format : str, optional
+        How the fp8_ds_mla cache was written (see :func:`write_fp8_ds_mla_cache`): ``"pow2"`` promises
+        that every scale is a power of two (DeepSeek's writers), which lets kernels dequantise with a
+        bf16 multiply, giving the same keys faster; ``"arbitrary"`` or ``None``: any fp32 scales. A
+        ``"pow2"`` promise broken by the cache gives keys with rounded scales. Only for
+        ``kv_format="fp8_ds_mla"``.
 
     Returns
     -------
@@ -207,6 +215,11 @@ def sparse_mla_decode(
     check_tensor(q, "q", dtype=torch.bfloat16, shape=("B", "s_q", "h_q", "d_qk"), dims=dims)
     dev = q.device
     check_choice(kv_format, "kv_format", KV_FORMATS)
+    if kv_scale_format is not None:
+        check_choice(kv_scale_format, "kv_scale_format", SCALE_FORMATS)
+        if kv_format != "fp8_ds_mla":
+            raise ValueError(f"kv_scale_format: only for kv_format 'fp8_ds_mla' (None otherwise), got "
+                             f"{kv_scale_format!r} with kv_format {kv_format!r}")
     check_int(dims["s_q"], "q.shape[1] (s_q)", min_value=1, max_value=MAX_DECODE_S_Q)
     kv_cache = _check_paged_cache(kv_cache, kv_format, dims["d_qk"], dev)
     check_tensor(indices, "indices", dtype=torch.int32, shape=("B", "s_q", "topk"), dims=dims, device=dev)
@@ -217,4 +230,4 @@ def sparse_mla_decode(
         "device": dev, "num_heads": dims["h_q"], "d_qk": dims["d_qk"], "topk": dims["topk"], "s_q": dims["s_q"],
         "kv_format": kv_format, "page_size": kv_cache.shape[1]})
     return _sparse_decode_op(q.contiguous(), kv_cache, indices.contiguous(), float(sm_scale), d_v, kv_format,
-                             attn_sink, topk_length, name)
+                             attn_sink, topk_length, kv_scale_format, name)

@@ -386,6 +386,8 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
             kv_format=self.nsa_kv_format,
             d_v=layer.v_head_dim,
             attn_sink=attn_sink,
+            # the scale format of this backend's own cache writes (_write_kv)
+            kv_scale_format=self.nsa_scale_format if self.nsa_kv_format == "fp8_ds_mla" else None,
             impl=impl,
         )
         if total > n:  # DP / graph padding rows

@@ -238,7 +238,8 @@ def _decode_case(evict: _Evictor, B: int, s_q: int, h_q: int) -> list[dict[str, 
     shape = f"B={B} s_q={s_q} h_q={h_q} topk=2048 fp8_ds_mla"
 
     def ours() -> torch.Tensor:
-        return sparse_mla_decode_triton(a["q"], a["kv_cache"], a["indices"], a["sm_scale"])
+        return sparse_mla_decode_triton(a["q"], a["kv_cache"], a["indices"], a["sm_scale"],
+                                        kv_scale_format=bs.DECODE_SCALE_FORMAT)
 
     rows = [_row("sparse_mla_decode", shape, "triton", _both(ours, evict))]
     flash = bs._flash_mla_with_q(a["q"], 2, h_q, dev)

@@ -7,6 +7,8 @@ Shapes (``quick=False``):
 - decode ``sparse_mla_decode`` over an "fp8_ds_mla" cache (page 64, 8192 tokens per request):
   ``B`` in {32, 128}, ``s_q`` in {1, 2}, ``topk 2048``, ``h_q`` in {128, 64, 32, 16}. Bytes: the gathered
   656-byte tokens plus ``q`` and ``out``; ``gbps`` is reported next to the measured copy bandwidth.
+  The cache is written with power-of-two scales (``DECODE_SCALE_FORMAT``, DeepSeek's writers), and our
+  rows pass that as ``kv_scale_format``, as the SGLang integration does for DeepSeek models.
 
 Prefill also times ``gather_kv``: a pure read of the same ``topk`` rows of 1152 bytes per query row
 (:func:`gather_kv_rows`, no arithmetic), timed the same way. No prefill kernel that reads every
@@ -46,6 +48,8 @@ D_QK = 576
 D_V = 512
 PAGE = 64
 TOKENS_PER_REQUEST = 8192
+# scale format of the decode cache (power-of-two scales, as DeepSeek writes them)
+DECODE_SCALE_FORMAT = "pow2"
 
 
 def _flash_mla() -> Any | None:
@@ -159,7 +163,7 @@ def decode_inputs(B: int, s_q: int, h_q: int, topk: int, device: torch.device) -
     n_tok = B * TOKENS_PER_REQUEST
     num_blocks = n_tok // PAGE
     kv = torch.randn(n_tok, D_QK, generator=g).to(device=device, dtype=torch.bfloat16)
-    cache = pack_fp8_ds_mla(kv, "pow2").view(num_blocks, PAGE, 1, 656)
+    cache = pack_fp8_ds_mla(kv, DECODE_SCALE_FORMAT).view(num_blocks, PAGE, 1, 656)
     del kv
     # Request b owns a random set of pages; its top-k are random distinct positions of its context.
     perm = torch.randperm(num_blocks, generator=g).to(device).view(B, -1)  # [B, pages per request]
@@ -243,7 +247,8 @@ def bench_decode(
     nbytes = B * s_q * topk * 656.0 + a["q"].numel() * 2 + B * s_q * h_q * D_V * 2
     rows = []
     ours, note = _safe_ms(
-        lambda: sparse_mla_decode_triton(a["q"], a["kv_cache"], a["indices"], a["sm_scale"]), device, graph=True
+        lambda: sparse_mla_decode_triton(a["q"], a["kv_cache"], a["indices"], a["sm_scale"],
+                                         kv_scale_format=DECODE_SCALE_FORMAT), device, graph=True
     )
     fm_ms = None
     flash = _flash_mla_with_q(a["q"], 2, h_q, device)
@@ -290,7 +295,8 @@ def bench_decode(
         "device": device, "num_heads": h_q, "d_qk": D_QK, "topk": topk, "s_q": s_q, "kv_format": "fp8_ds_mla",
         "page_size": PAGE})
     auto_ms, auto_note = _safe_ms(
-        lambda: public_decode(a["q"], a["kv_cache"], a["indices"], a["sm_scale"]), device, graph=True
+        lambda: public_decode(a["q"], a["kv_cache"], a["indices"], a["sm_scale"], kv_scale_format=DECODE_SCALE_FORMAT),
+        device, graph=True
     )
     g = gbps(nbytes, auto_ms)
     rows.append(_row("sparse_mla_decode", shape, "auto", auto_ms, flops, nbytes,

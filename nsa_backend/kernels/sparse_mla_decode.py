@@ -175,6 +175,7 @@ def sparse_mla_decode_triton(
     kv_format: str = "fp8_ds_mla",
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    kv_scale_format: str | None = None,
     *,
     config: AttnConfig | None = None,
     num_splits: int | None = None,
@@ -202,6 +203,9 @@ def sparse_mla_decode_triton(
         ``[h_q]`` ``float32``: ``out *= exp(lse) / (exp(lse) + exp(sink))``.
     topk_length : torch.Tensor, optional
         ``[B]`` ``int32``: request ``b`` uses its first ``topk_length[b]`` indices.
+    kv_scale_format : str, optional
+        ``"pow2"``: every scale of the fp8 cache is a power of two, which the sm_90 16-head kernel
+        dequantises with fewer instructions (same numbers); ``None`` / ``"arbitrary"``: any scales.
     config, num_splits, native_fp8 : optional
         Override the launch configuration, the split of the top-k list over programs and the e4m3
         decoding path chosen from the shapes and the architecture.
@@ -216,7 +220,8 @@ def sparse_mla_decode_triton(
     if planned and _gluon_route(q, kv_cache, kv_format, d_v):
         from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 
-        return sparse_mla_decode_gluon(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length)
+        return sparse_mla_decode_gluon(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length,
+                                       kv_scale_format=kv_scale_format)
     if planned and _gluon_ws_route(q, kv_cache, kv_format, d_v):
         from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
 

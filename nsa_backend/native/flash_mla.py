@@ -151,8 +151,10 @@ def sparse_mla_decode(
     kv_format: str = "fp8_ds_mla",
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    kv_scale_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flash_mla.flash_mla_with_kvcache`` in sparse FP8 mode (``kv_format="fp8_ds_mla"`` only)."""
+    """``flash_mla.flash_mla_with_kvcache`` in sparse FP8 mode (``kv_format="fp8_ds_mla"`` only;
+    ``kv_scale_format`` is not needed: FlashMLA reads the scales as stored)."""
     if kv_format != "fp8_ds_mla":
         raise ValueError(f"kv_format: FlashMLA sparse decode reads the fp8_ds_mla cache only, got {kv_format!r}")
     fm = _module()

@@ -45,7 +45,7 @@ def set_kv_scale_format(scale_format: str) -> None:
     _scale_format = scale_format
 
 
-def kv_scale_format() -> str:
+def kv_scale_format_name() -> str:
     """FlashInfer's name of the active scale format (``"arbitrary_fp32"`` or ``"pow2_fp32"``)."""
     return _SCALE_FORMATS[_scale_format]
 
@@ -84,8 +84,13 @@ def sparse_mla_decode(
     kv_format: str = "fp8_ds_mla",
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    kv_scale_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA decode through FlashInfer (``kv_format="fp8_ds_mla"``, d_qk 576, d_v 512)."""
+    """Sparse MLA decode through FlashInfer (``kv_format="fp8_ds_mla"``, d_qk 576, d_v 512).
+
+    ``kv_scale_format`` (``"arbitrary"`` / ``"pow2"``) is FlashInfer's ``kv_scale_format``; ``None`` takes
+    the process setting (:func:`set_kv_scale_format`).
+    """
     if kv_format != "fp8_ds_mla":
         raise ValueError(f"kv_format: FlashInfer sparse MLA decode reads the fp8_ds_mla cache only, "
                          f"got {kv_format!r}")
@@ -124,7 +129,7 @@ def sparse_mla_decode(
         bmm2_scale=1.0,
         sinks=sinks,
         return_lse=True,
-        kv_scale_format=kv_scale_format(),
+        kv_scale_format=_SCALE_FORMATS[kv_scale_format] if kv_scale_format else kv_scale_format_name(),
         **kwargs,
     )
     out = out.view(batch, s_q, target, d_v)[:, :, :heads]

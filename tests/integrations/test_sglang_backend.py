@@ -470,6 +470,8 @@ def test_forward_matches_reference(mode, fp8, paged_prefill, monkeypatch):
 
     def spy(md, q, kv_cache, selection, *args, **kwargs):
         calls.append((md, selection))
+        # decode is told the scale format of the backend's own fp8 cache writes
+        assert kwargs["kv_scale_format"] == (b.nsa_scale_format if fp8 else None)
         return core_attention(md, q, kv_cache, selection, *args, **kwargs)
 
     monkeypatch.setattr(backend_module, "dsa_sparse_attention", spy)

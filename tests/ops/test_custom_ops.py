@@ -116,7 +116,7 @@ OPCHECK_CASES = {
         "reference")),
     "sparse_mla_decode": lambda: (torch.ops.nsa_backend.sparse_mla_decode, (
         *(lambda a: (a["q"], a["kv_cache"], a["indices"], a["sm_scale"]))(mk.decode_args()), 512, "fp8_ds_mla",
-        None, None, "reference")),
+        None, None, "pow2", "reference")),
     "tf32_hc_prenorm_gemm": lambda: (torch.ops.nsa_backend.tf32_hc_prenorm_gemm, (
         *(lambda a: (a["a"], a["b"], a["d"], a["sqr_sum"]))(mk.hc_args(splits=2)), 2, "reference")),
     "write_fp8_ds_mla_cache": lambda: (torch.ops.nsa_backend.write_fp8_ds_mla_cache, (

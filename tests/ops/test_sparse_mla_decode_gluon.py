@@ -78,15 +78,15 @@ _AOT = textwrap.dedent(
                 spills = 0
             rows.append(["gluon_decode", 90, [bh, bn, st, split], k.metadata.shared, SHARED_MEMORY_LIMIT[90],
                          spills])
-    # the pair kernel (16-head blocks)
+    # the pair kernel (16-head blocks), with both conversions of the keys
     fn = m._sparse_mla_decode_gluon_pair_kernel
-    for split in (True, False):
+    for split, pow2 in ((True, False), (False, False), (True, True), (False, True)):
         sig = {"q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "sink_ptr": "*fp32",
                "topk_len_ptr": "*i32", "out_ptr": "*fp32" if split else "*bf16", "lse_ptr": "*fp32",
                "qk_scale": "fp32"}
         sig.update({n: "i32" for n in ints})
         ce = dict(PAGE=64, BLOCK_H=16, BLOCK_N=64, **m.PAIR_OPTIONS, SPLIT=split, HAS_SINK=not split,
-                  HAS_TOPK_LEN=True)
+                  HAS_TOPK_LEN=True, POW2_SCALES=pow2)
         sig.update({k: "constexpr" for k in ce})
         assert set(sig) == set(fn.arg_names), set(sig) ^ set(fn.arg_names)
         names = list(fn.arg_names)
@@ -97,7 +97,7 @@ _AOT = textwrap.dedent(
             spills = k.asm["sass"].count("STL")
         except Exception:
             spills = 0
-        rows.append(["gluon_decode_pair", 90, [16, 64, split], k.metadata.shared, SHARED_MEMORY_LIMIT[90],
+        rows.append(["gluon_decode_pair", 90, [16, 64, split, pow2], k.metadata.shared, SHARED_MEMORY_LIMIT[90],
                      spills])
     print(json.dumps(rows))
     """
@@ -111,6 +111,50 @@ def test_gluon_decode_compiles_for_sm90_within_shared_memory():
     for kind, arch, cfg, shared, limit, spills in rows:
         assert shared <= limit, f"{kind} sm_{arch} {cfg}: {shared} B shared > {limit} B"
         assert spills == 0, f"{kind} sm_{arch} {cfg}: {spills} local-memory stores"
+
+
+_AOT_POW2 = textwrap.dedent(
+    """
+    import json
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from nsa_backend.kernels import sparse_mla_decode_gluon as m
+
+    fn = m._sparse_mla_decode_gluon_pair_kernel
+    ints = ["h_q", "topk", "n_slots", "keys_per_split", "rows_per_batch", "stride_q_row",
+            "stride_q_head", "stride_idx_row", "stride_page", "stride_row", "stride_ob", "stride_or",
+            "stride_os", "stride_oh", "stride_lb", "stride_lr", "stride_ls", "stride_lh"]
+    aligned = ["q_ptr", "kv_ptr", "idx_ptr", "sink_ptr", "topk_len_ptr", "out_ptr", "lse_ptr",
+               "stride_q_row", "stride_q_head", "stride_idx_row", "stride_page", "stride_row"]
+    out = {}
+    for pow2 in (False, True):
+        sig = {"q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "sink_ptr": "*fp32",
+               "topk_len_ptr": "*i32", "out_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+        sig.update({n: "i32" for n in ints})
+        ce = dict(PAGE=64, BLOCK_H=16, BLOCK_N=64, **m.PAIR_OPTIONS, SPLIT=True, HAS_SINK=False,
+                  HAS_TOPK_LEN=False, POW2_SCALES=pow2)
+        sig.update({k: "constexpr" for k in ce})
+        names = list(fn.arg_names)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        src = GluonASTSource(fn, signature={n: sig[n] for n in names}, constexprs=ce, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        out[str(pow2)] = {"e4m3_cvt": ptx.count("e4m3x2"), "bf16x2_mul": ptx.count("mul.rn.bf16x2"),
+                          "f32_mul": ptx.count("mul.f32") + ptx.count("mul.rn.f32")}
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon")
+def test_gluon_decode_pair_pow2_conversion_takes_the_integer_path():
+    """With ``POW2_SCALES`` the pair kernel converts the keys without the fp8 unit (integer bits times a bf16
+    scale); without it, with the fp8 conversions and an fp32 multiply per key element."""
+    counts = run_aot_script(_AOT_POW2, timeout=240)
+    exact, pow2 = counts["False"], counts["True"]
+    assert exact["e4m3_cvt"] > 0 and exact["bf16x2_mul"] == 0, exact
+    assert pow2["e4m3_cvt"] == 0 and pow2["bf16x2_mul"] > 0, pow2
+    assert pow2["f32_mul"] < exact["f32_mul"], (exact, pow2)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -298,3 +342,26 @@ def test_decode_op_routes_few_heads_to_gluon(monkeypatch):
     for out, lse in (got, tl_out):
         _check_out("out", out.view(r_out.shape), r_out, "route", r_abs)
         _check_stat("lse", lse, r_lse, "route")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
+def test_gluon_decode_pair_pow2_scales_same_numbers_gpu():
+    """``kv_scale_format="pow2"`` on caches written with power-of-two scales: bit-identical to the exact
+    conversion (the same keys) over the pair cases, and within tolerance through the public op."""
+    import nsa_backend as nb
+    from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+
+    for c, kw in _pair_cases(40, seed=13):
+        a = decode_case(**{**c, "scale_format": "pow2"})
+        case = str(c) + str(kw)
+        want_o, want_l = sparse_mla_decode_gluon(**a, **kw)
+        got_o, got_l = sparse_mla_decode_gluon(**a, **kw, kv_scale_format="pow2")
+        assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l), case
+    # the public op: 32 rows of 16 heads take the pair kernel
+    big = dict(B=16, s_q=2, h_q=16, topk=512, kv_format="fp8_ds_mla", page=64, num_blocks=64, frac_invalid=0.1,
+               sink=True, topk_len=True, pad_pages=False, seed=91)
+    for c in [big] + [c for c, _ in _pair_cases(6, seed=17)]:
+        a = decode_case(**{**c, "scale_format": "pow2"})
+        run_decode_case(a, str(c), decode=lambda **x: nb.sparse_mla_decode(**x, kv_scale_format="pow2",
+                                                                           impl="triton"))

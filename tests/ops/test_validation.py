@@ -158,6 +158,10 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[], dict[str, Any]], Callabl
      _set(q=torch.zeros(2, 17, 2, 576).bfloat16()), ValueError, ("s_q", "16", "17")),
     ("decode-topk-length-shape", nb.sparse_mla_decode, mk.decode_args,
      _set(topk_length=torch.ones(1, 1, dtype=torch.int32)), ValueError, ("topk_length", "B=2")),
+    ("decode-scale-format", nb.sparse_mla_decode, mk.decode_args, _set(kv_scale_format="ue8m0"), ValueError,
+     ("kv_scale_format", "arbitrary", "pow2", "ue8m0")),
+    ("decode-scale-format-bf16", nb.sparse_mla_decode, lambda: mk.decode_args(kv_format="bf16"),
+     _set(kv_scale_format="pow2"), ValueError, ("kv_scale_format", "fp8_ds_mla", "bf16")),
     # pack / unpack / write fp8_ds_mla
     ("pack-width-512", nb.pack_fp8_ds_mla, lambda: dict(kv=torch.zeros(4, 512).bfloat16()), _set(), ValueError,
      ("kv", "576")),
