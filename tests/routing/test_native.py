@@ -461,6 +461,9 @@ def test_flashinfer_decode_translation(monkeypatch, on_arch, natural_lse):
         assert pkg.mla.calls[-1]["kv_scale_format"] == "pow2_fp32"
     finally:
         fi_wrap.set_kv_scale_format("arbitrary")
+    # a per-call format (the public op's kv_scale_format) wins over the process setting
+    fi_wrap.sparse_mla_decode(q, cache, idx, 0.05, 512, "fp8_ds_mla", None, None, "pow2")
+    assert pkg.mla.calls[-1]["kv_scale_format"] == "pow2_fp32"
     with pytest.raises(ValueError, match="scale_format"):
         fi_wrap.set_kv_scale_format("ue8m0")
 
