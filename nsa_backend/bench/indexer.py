@@ -107,16 +107,19 @@ def read_kv_pages(cache: torch.Tensor, table: torch.Tensor, logits: torch.Tensor
     words = cache.view(cache.shape[0], -1).view(torch.int32)
     B, n_pages = table.shape
     page = cache.shape[1]
-    if logits is not None and (logits.dtype != torch.float32 or logits.dim() != 3 or logits.shape[0] != B
-                               or logits.shape[2] < n_pages * page or logits.stride(2) != 1):
-        raise ValueError(f"logits: fp32 [B={B}, next_n, >= {n_pages * page}] with a contiguous last dim; got "
-                         f"{logits.dtype} {tuple(logits.shape)} strides {logits.stride()}")
     grid = (B, triton.cdiv(n_pages, READ_PAGES_PER_PROGRAM))
     out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=cache.device)
-    next_n = logits.shape[1] if logits is not None else 0
+    if logits is None:
+        logits, next_n = out.view(1, 1, -1), 0  # no rows written: the pointer is never used
+    else:
+        if (logits.dtype != torch.float32 or logits.dim() != 3 or logits.shape[0] != B
+                or logits.shape[2] < n_pages * page or logits.stride(2) != 1):
+            raise ValueError(f"logits: fp32 [B={B}, next_n, >= {n_pages * page}] with a contiguous last dim; "
+                             f"got {logits.dtype} {tuple(logits.shape)} strides {logits.stride()}")
+        next_n = logits.shape[1]
     _read_kv_pages_kernel[grid](
-        words, table, out, logits if logits is not None else out, n_pages, words.stride(0), table.stride(0),
-        logits.stride(0) if logits is not None else 0, logits.stride(1) if logits is not None else 0,
+        words, table, out, logits, n_pages, words.stride(0), table.stride(0),
+        logits.stride(0), logits.stride(1),
         PAGE_WORDS=words.shape[1], BLOCK=1024, PAGES=READ_PAGES_PER_PROGRAM, PAGE=page, NEXT_N=next_n,
         num_warps=8)
     return out
