@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_backend import envs
 from nsa_backend.configs.sparse_mla import (
     MERGE_BLOCK_H,
     MERGE_NUM_WARPS,
@@ -50,6 +51,11 @@ from nsa_backend.kernels.sparse_mla_prefill import (
 )
 from nsa_backend.reference import DS_MLA_TOKEN_BYTES
 
+try:  # grid dependency control (Triton >= 3.4 on CUDA)
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover - older Triton: plain launches
+    gdc_wait = None
+
 # Multiprocessor count used to plan splits off CUDA (the interpreter).
 FALLBACK_NUM_SMS = 8
 # Head counts whose fp8 decode takes the few-head Gluon kernels on sm_90 (H200, topk 2048, h_q 16: 96 vs
@@ -60,6 +66,8 @@ GLUON_DECODE_HEADS: frozenset[int] = frozenset(range(1, 17))
 # program). H200, topk 2048: 0.72-0.84x FlashMLA at h_q 128 and 0.89-1.01x at h_q 64, against
 # 0.42-0.67x for the tl kernel; at h_q 32 (B 128) 121 against 267 us for the tl kernel.
 GLUON_WS_DECODE_MIN_HEADS = 17
+# Programmatic dependent launch of the split merge from this capability on (grid dependency control).
+PDL_MIN_ARCH = 90
 
 
 @triton.heuristics({"HAS_SINK": lambda args: args["sink_ptr"] is not None})
@@ -72,6 +80,7 @@ def _sparse_mla_decode_merge_kernel(
     lse_ptr,  # [B, h_q, s_q] f32
     h_q, s_q, num_splits,
     D_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
+    WAIT_PRIMARY: tl.constexpr,
 ):
     # grid (rows, head blocks, D_V / BLOCK_D): every program recombines BLOCK_D columns of BLOCK_H heads
     i_r = tl.program_id(0).to(tl.int64)
@@ -82,6 +91,10 @@ def _sparse_mla_decode_merge_kernel(
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < h_q
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    if WAIT_PRIMARY:
+        # launched before the split kernel finished (programmatic dependent launch): its partials are
+        # complete and visible after this wait
+        gdc_wait()
 
     p_lse = part_lse_ptr + i_r * num_splits * h_q + o_h
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -117,15 +130,28 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, attn_sink: torch.
     ``part_lse`` ``[R, num_splits, h_q]`` fp32 (base 2, ``-inf`` for a split without a valid slot),
     ``out`` ``[B, s_q, h_q, d_v]`` bf16 and ``lse`` ``[B, h_q, s_q]`` fp32 with ``R = B * s_q``; all
     contiguous. The output columns are cut into slices (``configs.sparse_mla.merge_block_d``) so that few
-    rows still spread over the GPU.
+    rows still spread over the GPU. Called right after the kernel that wrote the partials: from sm_90 on
+    the merge is a programmatic dependent launch (``merge_pdl``), so its launch overlaps that kernel's
+    last programs.
     """
     R, splits, h_q, d_v = part_o.shape
     head_blocks = triton.cdiv(h_q, MERGE_BLOCK_H)
     block_d = merge_block_d(R * head_blocks, d_v, device_sms(part_o.device))
+    pdl = merge_pdl(part_o.device)
     _sparse_mla_decode_merge_kernel[(R, head_blocks, d_v // block_d)](
         part_o, part_lse, attn_sink, out, lse, h_q, out.shape[1], splits,
-        D_V=d_v, BLOCK_H=MERGE_BLOCK_H, BLOCK_D=block_d, num_warps=MERGE_NUM_WARPS,
+        D_V=d_v, BLOCK_H=MERGE_BLOCK_H, BLOCK_D=block_d, WAIT_PRIMARY=pdl, num_warps=MERGE_NUM_WARPS,
+        **({"launch_pdl": True} if pdl else {}),
     )
+
+
+def merge_pdl(device: torch.device) -> bool:
+    """Whether the split merge on ``device`` is a programmatic dependent launch: a real sm_90+ GPU (not the
+    interpreter) and a Triton with grid dependency control."""
+    if gdc_wait is None or envs.triton_interpret():
+        return False
+    arch = device_arch(device)
+    return arch is not None and arch >= PDL_MIN_ARCH
 
 
 def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: torch.device,
@@ -204,8 +230,8 @@ def sparse_mla_decode_triton(
     topk_length : torch.Tensor, optional
         ``[B]`` ``int32``: request ``b`` uses its first ``topk_length[b]`` indices.
     kv_scale_format : str, optional
-        ``"pow2"``: every scale of the fp8 cache is a power of two, which the sm_90 16-head kernel
-        dequantises with fewer instructions (same numbers); ``None`` / ``"arbitrary"``: any scales.
+        ``"pow2"``: every scale of the fp8 cache is a power of two, which the sm_90 Gluon kernels
+        dequantise with fewer instructions (same numbers); ``None`` / ``"arbitrary"``: any scales.
     config, num_splits, native_fp8 : optional
         Override the launch configuration, the split of the top-k list over programs and the e4m3
         decoding path chosen from the shapes and the architecture.
@@ -226,7 +252,7 @@ def sparse_mla_decode_triton(
         from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
 
         return sparse_mla_decode_gluon_ws(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
-                                          topk_length)
+                                          topk_length, kv_scale_format=kv_scale_format)
     topk = indices.shape[-1]
     dev = q.device
     out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=dev)

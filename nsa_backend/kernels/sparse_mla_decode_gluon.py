@@ -472,44 +472,46 @@ if gluon is not None:
             async_copy.mbarrier_arrive(rope_full.index(rs), increment_count=False)
 
     @gluon.jit
-    def _sparse_mla_decode_gluon_pair_dq(lat, sc, k_smem, G: gl.constexpr, K: gl.constexpr, HALF: gl.constexpr,
-                                         L_DQ: gl.constexpr, POW2_SCALES: gl.constexpr):
-        """``bf16(e4m3 * scale)`` of latent group ``G`` of one half tile into rows ``[K * HALF, (K + 1) *
-        HALF)`` of that group's key buffer.
+    def _sparse_mla_decode_gluon_dequant(b_raw, b_sg, POW2_SCALES: gl.constexpr):
+        """``bf16(e4m3 * scale)`` of the e4m3 bytes ``b_raw`` (``uint8 [rows, cols]``, 4 contiguous per
+        thread) with their fp32 scales ``b_sg`` (``[rows, 1]``), exactly as the reference.
 
-        With ``POW2_SCALES`` (every scale a power of two) the same numbers with fewer instructions: per
+        Without ``POW2_SCALES``: fp8 unpack, f16 to f32, fp32 multiply, bf16 pack (3 instructions per
+        element). With ``POW2_SCALES`` (the caller promises power-of-two scales) the same numbers in 2: per
         byte ``b`` the bf16 bits ``(b & 0x80) << 8 | (b & 0x7f) << 4`` are ``e4m3(b) * 2^-120`` exactly
-        (subnormals included), built two bytes per 32-bit register with integer instructions, then one
-        ``bf16x2`` multiply by ``bf16(scale * 2^120)``, which is exact for a power of two: 2.5 instructions
-        per element against 3 (fp8 unpack, f16 to f32, fp32 multiply, bf16 pack).
+        (subnormals included), and one ``bf16x2`` multiply by ``bf16(scale * 2^120)`` is exact for a power
+        of two. The bits come two bytes per 32-bit register: ``prmt`` with sign replication makes each
+        16-bit half ``int16(int8(b))`` (the sign in bits 7-15), then ``(x << 4) & 0x87f0`` keeps the
+        sign at bit 15 and the 7 magnitude bits at 4-10 (what the shift carries from the low half into
+        the high one lands in bits 16-19, which the mask clears).
         """
-        b_sg = sc.slice(G, 1, dim=1).load(L_DQ)
-        b_raw = lat.slice(G * 128, 128, dim=1).load(L_DQ)
         if POW2_SCALES:
             b_s16 = (b_sg * 1.329227995784916e36).to(gl.bfloat16)  # scale * 2^120
-            # per 4 bytes: two halves [b, 0, b', 0]; (x << 4) + (x & 0x80) * 240 moves each sign from bit 11
-            # to bit 15 (no carry between the halves: at most 0x87f0)
-            b_k = gl.inline_asm_elementwise(
+            return gl.inline_asm_elementwise(
                 """
                 {
-                .reg .b32 a, b, c, d;
-                prmt.b32 a, $2, 0, 0x4140;
-                prmt.b32 b, $2, 0, 0x4342;
-                and.b32 c, a, 0x00800080;
-                and.b32 d, b, 0x00800080;
+                .reg .b32 a, b;
+                prmt.b32 a, $2, 0, 0x9180;
+                prmt.b32 b, $2, 0, 0xB3A2;
                 shl.b32 a, a, 4;
                 shl.b32 b, b, 4;
-                mad.lo.u32 a, c, 240, a;
-                mad.lo.u32 b, d, 240, b;
+                and.b32 a, a, 0x87F087F0;
+                and.b32 b, b, 0x87F087F0;
                 mul.rn.bf16x2 $0, a, $3;
                 mul.rn.bf16x2 $1, b, $4;
                 }
                 """,
                 "=r,=r,r,r,r", [b_raw, b_s16], dtype=gl.bfloat16, is_pure=True, pack=4)
-            k_smem.slice(K * HALF, HALF, dim=0).store(b_k)
-        else:
-            b_kf = b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg
-            k_smem.slice(K * HALF, HALF, dim=0).store(b_kf.to(gl.bfloat16))
+        return (b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg).to(gl.bfloat16)
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_dq(lat, sc, k_smem, G: gl.constexpr, K: gl.constexpr, HALF: gl.constexpr,
+                                         L_DQ: gl.constexpr, POW2_SCALES: gl.constexpr):
+        """``bf16(e4m3 * scale)`` of latent group ``G`` of one half tile into rows ``[K * HALF, (K + 1) *
+        HALF)`` of that group's key buffer (``_sparse_mla_decode_gluon_dequant``)."""
+        b_sg = sc.slice(G, 1, dim=1).load(L_DQ)
+        b_raw = lat.slice(G * 128, 128, dim=1).load(L_DQ)
+        k_smem.slice(K * HALF, HALF, dim=0).store(_sparse_mla_decode_gluon_dequant(b_raw, b_sg, POW2_SCALES))
 
     @gluon.jit
     def _sparse_mla_decode_gluon_pair_compute(

@@ -85,6 +85,7 @@ if gluon_importable():
 
     from nsa_backend.kernels._gluon import cp_async, cta_barrier
     from nsa_backend.kernels.sparse_mla_decode_gluon import (
+        _sparse_mla_decode_gluon_dequant,
         _sparse_mla_decode_gluon_key_range,
         _sparse_mla_decode_gluon_lse,
     )
@@ -109,12 +110,10 @@ if gluon is not None:
         return gl.multiple_of(o_row, 16), m_n
 
     @gluon.jit
-    def _sparse_mla_decode_ws_dequant(lat, sc, layout: gl.constexpr):
+    def _sparse_mla_decode_ws_dequant(lat, sc, layout: gl.constexpr, POW2_SCALES: gl.constexpr):
         """A staged ``[rows, 128]`` slice of e4m3 bytes ``lat`` with its ``[rows, 1]`` scales ``sc`` as bf16:
-        ``bf16(e4m3 * scale)``, exactly as the reference."""
-        b_sg = sc.load(layout)
-        b_raw = lat.load(layout)
-        return (b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg).to(gl.bfloat16)
+        ``bf16(e4m3 * scale)``, exactly as the reference (``_sparse_mla_decode_gluon_dequant``)."""
+        return _sparse_mla_decode_gluon_dequant(lat.load(layout), sc.load(layout), POW2_SCALES)
 
     @gluon.jit
     def _sparse_mla_decode_ws_loader(
@@ -123,6 +122,7 @@ if gluon is not None:
         q_smem, qr_smem, k_smem, lat_smem, sc_smem, rope_smem, q_bar, full_bars, empty_bars, kfree_bar,
         kready_bar,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, LOADER_DQ: gl.constexpr, DQ_VEC: gl.constexpr,
+        POW2_SCALES: gl.constexpr,
     ):
         """Loader partition (4 warps): ``q`` once, then the raw rows of every tile into the staging
         buffer the compute warps released; each copy arrives on the buffer's ``full`` barrier. With
@@ -186,7 +186,7 @@ if gluon is not None:
                         for r in gl.static_range(BLOCK_N // DQ_ROWS):
                             b_k = _sparse_mla_decode_ws_dequant(
                                 lat_t.slice(g * 128, 128, dim=1).slice(r * DQ_ROWS, DQ_ROWS, dim=0),
-                                sc_t.slice(g, 1, dim=1).slice(r * DQ_ROWS, DQ_ROWS, dim=0), L_DQ)
+                                sc_t.slice(g, 1, dim=1).slice(r * DQ_ROWS, DQ_ROWS, dim=0), L_DQ, POW2_SCALES)
                             k_smem.slice(g * 128, 128, dim=1).slice(r * DQ_ROWS, DQ_ROWS, dim=0).store(b_k)
                     fence_async_shared()
                     cta_barrier()
@@ -198,7 +198,7 @@ if gluon is not None:
         q_smem, qr_smem, k_smem, lat_smem, sc_smem, rope_smem, p_smem, q_bar, full_bars, empty_bars,
         kfree_bar, kready_bar,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, LOADER_DQ: gl.constexpr,
-        DQ_VEC: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+        DQ_VEC: gl.constexpr, POW2_SCALES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
     ):
         """Compute partition (two warpgroups): dequantisation, scores, softmax, ``P V``.
 
@@ -230,7 +230,7 @@ if gluon is not None:
             for g in gl.static_range(4 - LOADER_DQ):
                 k_g = k_smem.slice(g * 128, 128, dim=1)
                 k_g.store(_sparse_mla_decode_ws_dequant(lat.slice(g * 128, 128, dim=1), sc.slice(g, 1, dim=1),
-                                                        L_DQ))
+                                                        L_DQ, POW2_SCALES))
                 fence_async_shared()
                 cta_barrier()
                 b_s = warpgroup_mma(q_smem.slice(g * 128, 128, dim=1), k_g.permute((1, 0)), b_s,
@@ -275,7 +275,7 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_DQ: gl.constexpr,
-        DQ_VEC: gl.constexpr,
+        DQ_VEC: gl.constexpr, POW2_SCALES: gl.constexpr,
     ):
         gl.static_assert(BLOCK_H == 64)
         gl.static_assert(BLOCK_N == 64)
@@ -323,12 +323,13 @@ if gluon is not None:
             (_sparse_mla_decode_ws_compute, (p_idx, n_start, n_stop, n_tiles, n_slots, qk_scale,
                                              q_smem, qr_smem, k_smem, lat_smem, sc_smem, rope_smem, p_smem,
                                              q_bar, full_bars, empty_bars, kfree_bar, kready_bar,
-                                             BLOCK_H, BLOCK_N, D_V, LOADER_DQ, DQ_VEC, s_layout, o_layout)),
+                                             BLOCK_H, BLOCK_N, D_V, LOADER_DQ, DQ_VEC, POW2_SCALES, s_layout,
+                                             o_layout)),
             (_sparse_mla_decode_ws_loader, (q_ptr, kv_ptr, p_idx, i_r, i_h, h_q, n_start, n_stop, n_tiles,
                                             n_slots, page_size, stride_q_row, stride_q_head, stride_page,
                                             stride_row, q_smem, qr_smem, k_smem, lat_smem, sc_smem, rope_smem,
                                             q_bar, full_bars, empty_bars, kfree_bar, kready_bar,
-                                            BLOCK_H, BLOCK_N, LOADER_DQ, DQ_VEC)),
+                                            BLOCK_H, BLOCK_N, LOADER_DQ, DQ_VEC, POW2_SCALES)),
         ], [LOADER_WARPS], [LOADER_REGS])
 
         # ---- epilogue
@@ -385,10 +386,10 @@ def plan(B: int, s_q: int, h_q: int, topk: int, num_sms: int,
     return split_keys(topk, num_splits, BLOCK_N)
 
 
-def _constexprs(split: bool, has_sink: bool, has_topk_len: bool, **overrides) -> dict:
+def _constexprs(split: bool, has_sink: bool, has_topk_len: bool, pow2_scales: bool = False, **overrides) -> dict:
     return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SPLIT=split, HAS_SINK=has_sink, HAS_TOPK_LEN=has_topk_len,
                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, LOADER_DQ=LOADER_DQ,
-                DQ_VEC=DQ_VEC) | overrides
+                DQ_VEC=DQ_VEC, POW2_SCALES=pow2_scales) | overrides
 
 
 def sparse_mla_decode_gluon_ws(
@@ -403,12 +404,15 @@ def sparse_mla_decode_gluon_ws(
     *,
     num_splits: int | None = None,
     options: dict | None = None,
+    kv_scale_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gluon :func:`nsa_backend.sparse_mla_decode` for the "fp8_ds_mla" cache on sm_90, 64 heads per program.
 
     Same parameters and results as ``sparse_mla_decode_triton``; the inputs must pass :func:`supported`.
     ``num_splits`` overrides the split of the top-k list of :func:`plan`; ``options`` overrides kernel
-    constants (``LOADER_DQ``, ``DQ_VEC``, ``LOADER_REGS``).
+    constants (``LOADER_DQ``, ``DQ_VEC``, ``LOADER_REGS``). ``kv_scale_format="pow2"`` (the caller guarantees
+    power-of-two scales) dequantises with integer bits and a bf16 multiply: the same keys with fewer
+    instructions.
     """
     from nsa_backend.kernels._arch import device_sms
     from nsa_backend.kernels.sparse_mla_decode import merge_splits
@@ -429,6 +433,7 @@ def sparse_mla_decode_gluon_ws(
         idx = idx.contiguous()
     splits, per = plan(B, s_q, h_q, topk, device_sms(dev, 8), num_splits)
     head_blocks = triton.cdiv(h_q, BLOCK_H)
+    pow2 = kv_scale_format == "pow2"
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), kv_cache.stride(1))
     if splits == 1:
@@ -436,7 +441,7 @@ def sparse_mla_decode_gluon_ws(
             q, kv_cache, idx, attn_sink, topk_length, out, lse, *args,
             out.stride(0), out.stride(1), 0, out.stride(2),
             lse.stride(0), lse.stride(2), 0, lse.stride(1),
-            **_constexprs(False, attn_sink is not None, topk_length is not None, **(options or {})),
+            **_constexprs(False, attn_sink is not None, topk_length is not None, pow2, **(options or {})),
             num_warps=NUM_WARPS,
         )
         return out, lse
@@ -446,7 +451,7 @@ def sparse_mla_decode_gluon_ws(
         q, kv_cache, idx, None, topk_length, part_o, part_lse, *args,
         s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        **_constexprs(True, False, topk_length is not None, **(options or {})), num_warps=NUM_WARPS,
+        **_constexprs(True, False, topk_length is not None, pow2, **(options or {})), num_warps=NUM_WARPS,
     )
     merge_splits(part_o, part_lse, attn_sink, out, lse)
     return out, lse

@@ -354,7 +354,14 @@ def _merge_reference(part_o, part_lse, sink):
     return out, lse
 
 
-@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_merge_pdl_only_on_cuda():
+    """The merge is a programmatic dependent launch only on a CUDA device (never in the interpreter)."""
+    from nsa_backend.kernels.sparse_mla_decode import merge_pdl
+
+    assert not merge_pdl(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7, 9, 20])
 @pytest.mark.parametrize("min_per_sm", [1, 64], ids=["default-slices", "narrowest-slices"])
 @pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
 def test_merge_splits_matches_reference(monkeypatch, splits, min_per_sm, sink):
@@ -370,6 +377,7 @@ def test_merge_splits_matches_reference(monkeypatch, splits, min_per_sm, sink):
     part_o = torch.randn(R, splits, h_q, d_v, generator=g)
     part_lse = torch.randn(R, splits, h_q, generator=g) * 4
     part_lse[0, 1] = float("-inf")  # one empty split
+    part_lse[2, : splits // 2 + 1] = float("-inf")  # the first splits of a row empty (the running max starts late)
     part_lse[1, :, 3] = float("-inf")  # a head of a row without any valid slot
     part_o[1, :, 3] = 0.0
     attn_sink = torch.randn(h_q, generator=g) if sink else None
@@ -427,7 +435,10 @@ _AOT_SCRIPT = textwrap.dedent("""
         if kind == "merge":
             sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
                    "lse_ptr": "*fp32", "h_q": "i32", "s_q": "i32", "num_splits": "i32"}
-            ce = {"D_V": 512, "BLOCK_H": cfg[0], "BLOCK_D": cfg[2], "HAS_SINK": True}
+            from nsa_backend.kernels.sparse_mla_decode import PDL_MIN_ARCH
+            # with the grid-dependency wait where the launch has it
+            ce = {"D_V": 512, "BLOCK_H": cfg[0], "BLOCK_D": cfg[2], "HAS_SINK": True,
+                  "WAIT_PRIMARY": arch >= PDL_MIN_ARCH}
             sig.update({k: "constexpr" for k in ce})
             return [arch, kind, cfg, fp8, native, *compile_div16(_sparse_mla_decode_merge_kernel.fn, sig, ce, arch,
                                                                   cfg[1], 1)]

@@ -157,6 +157,48 @@ def test_gluon_decode_pair_pow2_conversion_takes_the_integer_path():
     assert pow2["f32_mul"] < exact["f32_mul"], (exact, pow2)
 
 
+def _pow2_bits(pairs: torch.Tensor, selector: int) -> torch.Tensor:
+    """The integer steps of the power-of-two dequantisation on 32-bit words of 4 bytes ``pairs``
+    (``[n, 4]`` uint8): ``prmt`` with ``selector`` (4-bit nibbles: a byte index 0-3, plus 8 to replicate
+    that byte's sign), ``<< 4``, ``& 0x87f087f0``; returns the two 16-bit halves ``[n, 2]`` (int64)."""
+    word = torch.zeros(pairs.shape[0], dtype=torch.int64)
+    for k in range(4):
+        nib = (selector >> (4 * k)) & 0xF
+        byte = pairs[:, nib & 3].to(torch.int64)
+        if nib & 8:
+            byte = torch.where(byte >= 128, 0xFF, 0)
+        word |= byte << (8 * k)
+    word = ((word << 4) & 0xFFFFFFFF) & 0x87F087F0
+    return torch.stack([word & 0xFFFF, word >> 16], dim=1)
+
+
+def test_gluon_decode_pow2_bits_are_e4m3_times_2_pow_minus_120():
+    """The integer steps of ``POW2_SCALES`` (the selectors and mask in the kernel's PTX) give, for every pair of
+    bytes, the bf16 bits of ``e4m3(b) * 2^-120`` exactly (subnormals and signed zeros included), so one bf16
+    multiply by ``scale * 2^120`` is ``bf16(e4m3 * scale)`` for a power-of-two scale."""
+    import inspect
+    import re
+
+    from nsa_backend.kernels import sparse_mla_decode_gluon as m
+
+    src = inspect.getsource(m)  # the kernel's source, also where this Triton has no Gluon
+    src = src[src.index("def _sparse_mla_decode_gluon_dequant("):]
+    src = src[: src.index("@gluon.jit")]
+    sel = [int(x, 16) for x in re.findall(r"prmt\.b32 \w, \$2, 0, (0x[0-9A-Fa-f]+);", src)]
+    assert len(sel) == 2 and "0x87F087F0" in src, src
+    b = torch.arange(256)
+    grid = torch.stack(torch.meshgrid(b, b, indexing="ij"), dim=-1).reshape(-1, 2)
+    words = torch.cat([grid, grid.flip(1)], dim=1).to(torch.uint8)  # [b0, b1, b1, b0]
+    e4m3 = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    for selector, cols in zip(sel, ((0, 1), (2, 3))):
+        halves = _pow2_bits(words, selector)
+        got = halves.to(torch.int16).view(torch.bfloat16).float() * 2.0**120
+        want = e4m3[words[:, list(cols)].long()]
+        finite = ~torch.isnan(want)
+        assert torch.equal(got[finite], want[finite])
+        assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"pair": True, "block_h": 32}, "pair=True"),
     ({"pair": True, "stages": 2}, "pair=True"),

@@ -54,6 +54,22 @@ _AOT = textwrap.dedent(
     """
 )
 
+_AOT_POW2 = textwrap.dedent(
+    """
+    import json
+    from nsa_backend.kernels import sparse_mla_decode_gluon_ws as m
+    from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
+
+    out = {}
+    for pow2 in (False, True):
+        k = m.compile_for_sm90(True, POW2_SCALES=pow2)
+        ptx = k.asm["ptx"]
+        out[str(pow2)] = {"e4m3_cvt": ptx.count("e4m3x2"), "bf16x2_mul": ptx.count("mul.rn.bf16x2"),
+                          "shared": k.metadata.shared, "limit": SHARED_MEMORY_LIMIT[90]}
+    print(json.dumps(out))
+    """
+)
+
 
 @pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon")
 def test_ws_decode_compiles_for_sm90_within_shared_memory():
@@ -61,6 +77,17 @@ def test_ws_decode_compiles_for_sm90_within_shared_memory():
     assert len(rows) == 3
     for kind, arch, split, shared, limit in rows:
         assert 0 < shared <= limit, f"{kind} sm_{arch} split={split}: {shared} B shared > {limit} B"
+
+
+@pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon")
+def test_ws_decode_pow2_conversion_takes_the_integer_path():
+    """With ``POW2_SCALES`` the kernel converts the keys (compute and loader partitions) without the fp8 unit:
+    integer bits times a bf16 scale; without it, with the fp8 conversions only."""
+    counts = run_aot_script(_AOT_POW2, timeout=240)
+    exact, pow2 = counts["False"], counts["True"]
+    assert exact["e4m3_cvt"] > 0 and exact["bf16x2_mul"] == 0, exact
+    assert pow2["e4m3_cvt"] == 0 and pow2["bf16x2_mul"] > 0, pow2
+    assert pow2["shared"] <= pow2["limit"], pow2
 
 
 def test_ws_decode_plan_is_shape_only():
@@ -156,6 +183,30 @@ def test_ws_decode_gpu_fuzz():
             a["kv_cache"] = a["kv_cache"].unsqueeze(2)
         errs.append(_run_ws(a, str(c) + str(kw), **kw))
     print(f"ws decode fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
+def test_ws_decode_pow2_scales_same_numbers_gpu():
+    """``kv_scale_format="pow2"`` on caches written with power-of-two scales: bit-identical to the exact
+    conversion (the same keys) over seeded cases, and within tolerance through the public op."""
+    import nsa_backend as nb
+    from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
+
+    for c, kw in _ws_cases(24, seed=23):
+        if "options" in kw:  # the kernel constants as shipped (each variant is a compile)
+            continue
+        a = decode_case(**{**c, "scale_format": "pow2"})
+        case = str(c) + str(kw)
+        want_o, want_l = sparse_mla_decode_gluon_ws(**a, **kw)
+        got_o, got_l = sparse_mla_decode_gluon_ws(**a, **kw, kv_scale_format="pow2")
+        assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l), case
+    # the public op: 32 and 64 heads take this kernel
+    for h_q, seed in ((32, 41), (64, 43), (128, 47)):
+        c = dict(B=4, s_q=2, h_q=h_q, topk=512, kv_format="fp8_ds_mla", scale_format="pow2", page=64,
+                 num_blocks=32, frac_invalid=0.1, sink=True, topk_len=True, pad_pages=False, seed=seed)
+        run_decode_case(decode_case(**c), str(c), decode=lambda **x: nb.sparse_mla_decode(
+            **x, kv_scale_format="pow2", impl="triton"))
 
 
 @pytest.mark.gpu
