@@ -54,8 +54,10 @@ same process, FlashMLA on heads padded to 64 in brackets): B 128 83.2 / 152.9 us
 conversion instead 82.9-83.5 / 158.7-159.0 and 34.0-34.5 / 51.9-52.4; with the previous loader 95.3 /
 176.9 and 40.9 / 59.9 (B 32 without the merge).
 With ``POW2_SCALES`` (``kv_scale_format="pow2"``: the caller promises power-of-two scales) the keys are
-converted with integer instructions and one bf16 multiply (same numbers, 2.5 instead of 3 instructions
-per element): 78.6 / 147.2 us at B 128 and 32.6 / 48.4 us at B 32 against 82.6 / 151.9 and 34.2 / 50.4.
+converted with integer instructions and one bf16 multiply (same numbers, 2 instead of 3 instructions
+per element, ``_sparse_mla_decode_gluon_dequant``): 75.3-76.4 / 146.9 us at B 128 and 32.0-32.4 / 46.7-47.9
+us at B 32 against 82.1-82.8 / 154.5 and 35.0 / 51.2 (the first integer form, 2.5 instructions per
+element: 78.2 / 148.1 and 32.7 / 48.9).
 Below 32 programs per split the kernel above is faster (B 16 s_q 1: 28.9 against 30.9 us). Probes at
 B 128 s_q 1 (parts removed, garbage data): no copies 80.8 us, no conversion 58.2: the compute warps
 are the critical path. Tried without gain (``bench/results/h200/tuning/sparse_mla_gluon.md``):

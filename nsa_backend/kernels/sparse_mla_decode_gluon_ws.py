@@ -34,6 +34,9 @@ kernel 0.42-0.52x); h_q 64: B 128 127.8 / 251.8 us, B 32 47.7 / 76.1 us: 0.89-1.
 Converting the rows costs about a quarter of the time (a probe without it: 100 instead of 138 us at
 B 128, h_q 64): the loader's share (``LOADER_DQ`` 2: 2-4 %) and 16-byte pieces per thread without
 shared-memory bank conflicts on the swizzled key buffer (``DQ_VEC`` 8: 3-5 %) take part of it back.
+With ``POW2_SCALES`` (``kv_scale_format="pow2"``) both partitions convert with the integer form of
+``sparse_mla_decode_gluon._sparse_mla_decode_gluon_dequant`` (2 instead of 3 instructions per element,
+the same keys): 1-2 % faster at 32 / 64 / 128 heads.
 Tried without gain: converting the next tile's first groups while the ``P V`` MMA runs (a rotated
 loop; leaving the ``P V`` MMA in flight across the loop's back edge instead makes ptxas serialise every
 wgmma), other split counts than one wave.
