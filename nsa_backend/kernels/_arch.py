@@ -38,6 +38,14 @@ def device_arch(device: torch.device) -> int | None:
     return forced if forced is not None else _real(_index(device))[0]
 
 
+def device_capability(device: torch.device) -> int | None:
+    """Capability of the GPU itself, whatever arch routing is forced to (``None`` off CUDA): for what the
+    compiled code may use, e.g. instructions from sm_90 on."""
+    if device.type != "cuda":
+        return None
+    return _real(_index(device))[0]
+
+
 def device_sms(device: torch.device, off_cuda: int = 4) -> int:
     """Number of streaming multiprocessors of the real GPU; ``off_cuda`` off CUDA (the CPU interpreter)."""
     if device.type != "cuda":

@@ -40,7 +40,7 @@ from nsa_backend.configs.sparse_mla import (
     merge_block_d,
     split_keys,
 )
-from nsa_backend.kernels._arch import device_arch, device_sms
+from nsa_backend.kernels._arch import device_arch, device_capability, device_sms
 from nsa_backend.kernels._gluon import gluon_enabled
 from nsa_backend.kernels.sparse_mla_prefill import (
     LOG2E,
@@ -146,12 +146,13 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, attn_sink: torch.
 
 
 def merge_pdl(device: torch.device) -> bool:
-    """Whether the split merge on ``device`` is a programmatic dependent launch: a real sm_90+ GPU (not the
-    interpreter) and a Triton with grid dependency control."""
+    """Whether the split merge on ``device`` is a programmatic dependent launch: an sm_90+ GPU (its own
+    capability, whatever arch routing is forced to: the wait is an sm_90 instruction), not the interpreter,
+    and a Triton with grid dependency control."""
     if gdc_wait is None or envs.triton_interpret():
         return False
-    arch = device_arch(device)
-    return arch is not None and arch >= PDL_MIN_ARCH
+    cap = device_capability(device)
+    return cap is not None and cap >= PDL_MIN_ARCH
 
 
 def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: torch.device,

@@ -354,11 +354,21 @@ def _merge_reference(part_o, part_lse, sink):
     return out, lse
 
 
-def test_merge_pdl_only_on_cuda():
-    """The merge is a programmatic dependent launch only on a CUDA device (never in the interpreter)."""
-    from nsa_backend.kernels.sparse_mla_decode import merge_pdl
+def test_merge_pdl_follows_the_gpu_itself(monkeypatch):
+    """The merge is a programmatic dependent launch only on a GPU that has the wait instruction (sm_90 on,
+    by its own capability even when routing is forced to another arch), never in the interpreter or off
+    CUDA."""
+    from nsa_backend.kernels import sparse_mla_decode as dec
 
-    assert not merge_pdl(torch.device("cpu"))
+    assert not dec.merge_pdl(torch.device("cpu"))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("NSA_BACKEND_FORCE_ARCH", "sm120")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for cap, want in ((86, False), (89, False), (90, True), (120, True)):
+        monkeypatch.setattr(dec, "device_capability", lambda d, cap=cap: cap)
+        assert dec.merge_pdl(cuda) is (want and dec.gdc_wait is not None), cap
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dec.merge_pdl(cuda)
 
 
 @pytest.mark.parametrize("splits", [2, 3, 7, 9, 20])
