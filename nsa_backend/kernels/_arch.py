@@ -35,7 +35,7 @@ def device_arch(device: torch.device) -> int | None:
     from nsa_backend.routing.device import forced_arch
 
     forced = FAMILY_CAPABILITY.get(forced_arch() or "")
-    return forced if forced is not None else _real(_index(device))[0]
+    return forced if forced is not None else device_capability(device)
 
 
 def device_capability(device: torch.device) -> int | None:

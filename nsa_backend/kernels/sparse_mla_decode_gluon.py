@@ -252,8 +252,7 @@ if gluon is not None:
             for g in gl.static_range(4):
                 b_sg = sc.slice(g, 1, dim=1).load(L_DQ)
                 b_raw = lat.slice(g * 128, 128, dim=1).load(L_DQ)
-                b_kf = b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg
-                k_smem.index(g).store(b_kf.to(gl.bfloat16))
+                k_smem.index(g).store(_sparse_mla_decode_gluon_dequant(b_raw, b_sg, False))
             fence_async_shared()
             cta_barrier()
             # S^T [BN, BH]
