@@ -506,6 +506,18 @@ if gluon is not None:
         return (b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg).to(gl.bfloat16)
 
     @gluon.jit
+    def _sparse_mla_decode_gluon_pick(b0, b1, b2, b3, G: gl.constexpr):
+        """``(b0, b1, b2, b3)[G]`` for a compile-time ``G``."""
+        if G == 0:
+            return b0
+        elif G == 1:
+            return b1
+        elif G == 2:
+            return b2
+        else:
+            return b3
+
+    @gluon.jit
     def _sparse_mla_decode_gluon_pair_dq(lat, sc, k_smem, G: gl.constexpr, K: gl.constexpr, HALF: gl.constexpr,
                                          L_DQ: gl.constexpr, POW2_SCALES: gl.constexpr):
         """``bf16(e4m3 * scale)`` of latent group ``G`` of one half tile into rows ``[K * HALF, (K + 1) *
@@ -513,6 +525,43 @@ if gluon is not None:
         b_sg = sc.slice(G, 1, dim=1).load(L_DQ)
         b_raw = lat.slice(G * 128, 128, dim=1).load(L_DQ)
         k_smem.slice(K * HALF, HALF, dim=0).store(_sparse_mla_decode_gluon_dequant(b_raw, b_sg, POW2_SCALES))
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_dq_read(lat, sc, G: gl.constexpr, L_DQ: gl.constexpr):
+        """The e4m3 bytes and scales of latent group ``G`` of a half tile, in registers."""
+        return lat.slice(G * 128, 128, dim=1).load(L_DQ), sc.slice(G, 1, dim=1).load(L_DQ)
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_dq_pow2(lat_a, sc_a, lat_b, sc_b, k0, k1, k2, k3, full_b, phase_b, empty_a,
+                                              HALF: gl.constexpr, L_DQ: gl.constexpr):
+        """Power-of-two keys of a whole tile (half ``a`` into key rows ``[0, HALF)``, half ``b`` into ``[HALF,
+        2 HALF)``, four latent groups each): waits for half ``b`` (``full_b``, ``phase_b``) and gives half ``a``
+        back (``empty_a``) on the way.
+
+        The bytes of each step are read before the keys of the step ahead of it are stored, across the two
+        halves: ptxas does not move a shared-memory read above a shared-memory store, so in plain order every
+        step waited for its reads (H200, h_q 16, same process: B 128 s_q 1 72.5 against 76.5 us, B 32 s_q 1
+        30.2 against 31.9 us). The exact conversion keeps
+        the plain order: its fp32 intermediates leave no registers for a second step (spills).
+        """
+        b_raw, b_sg = _sparse_mla_decode_gluon_pair_dq_read(lat_a, sc_a, 0, L_DQ)
+        for i in gl.static_range(8):
+            if i < 7:
+                if i == 3:
+                    mbarrier.wait(full_b, phase_b)
+                if i < 3:
+                    n_raw, n_sg = _sparse_mla_decode_gluon_pair_dq_read(lat_a, sc_a, i + 1, L_DQ)
+                else:
+                    n_raw, n_sg = _sparse_mla_decode_gluon_pair_dq_read(lat_b, sc_b, (i + 1) % 4, L_DQ)
+            k_g = _sparse_mla_decode_gluon_pick(k0, k1, k2, k3, i % 4)
+            k_g.slice((i // 4) * HALF, HALF, dim=0).store(_sparse_mla_decode_gluon_dequant(b_raw, b_sg, True))
+            if i == 3:
+                # every warp has read half a
+                cta_barrier()
+                mbarrier.arrive(empty_a)
+            if i < 7:
+                b_raw = n_raw
+                b_sg = n_sg
 
     @gluon.jit
     def _sparse_mla_decode_gluon_pair_compute(
@@ -560,21 +609,26 @@ if gluon is not None:
             mbarrier.wait(lat_full.index(hs0), (h0 // LAT_STAGES) & 1)
             # every warp's part of the previous tile's P V is done with the key buffers and P
             cta_barrier()
-            # bf16(e4m3 * scale) of both halves, four latent groups each
-            for k in gl.static_range(2):
-                if k == 1:
-                    mbarrier.wait(lat_full.index(hs1), ((h0 + 1) // LAT_STAGES) & 1)
-                lat = lat_smem.index(hs1 if k == 1 else hs0)
-                sc = sc_smem.index(hs1 if k == 1 else hs0)
-                _sparse_mla_decode_gluon_pair_dq(lat, sc, k0_smem.index(0), 0, k, HALF, L_DQ, POW2_SCALES)
-                _sparse_mla_decode_gluon_pair_dq(lat, sc, k1_smem.index(0), 1, k, HALF, L_DQ, POW2_SCALES)
-                _sparse_mla_decode_gluon_pair_dq(lat, sc, k2_smem.index(0), 2, k, HALF, L_DQ, POW2_SCALES)
-                _sparse_mla_decode_gluon_pair_dq(lat, sc, k3_smem.index(0), 3, k, HALF, L_DQ, POW2_SCALES)
-                if k == 0:
-                    # every warp has read the first half: the loader may refill it while the second
-                    # half is converted (the loader runs at most 1.5 tiles ahead, and waits on this)
-                    cta_barrier()
-                    mbarrier.arrive(lat_empty.index(hs0))
+            # bf16(e4m3 * scale) of both halves, four latent groups each; the first half goes back to the loader
+            # once every warp has read it (the loader runs at most 1.5 tiles ahead, and waits on this)
+            if POW2_SCALES:
+                _sparse_mla_decode_gluon_pair_dq_pow2(
+                    lat_smem.index(hs0), sc_smem.index(hs0), lat_smem.index(hs1), sc_smem.index(hs1),
+                    k0_smem.index(0), k1_smem.index(0), k2_smem.index(0), k3_smem.index(0),
+                    lat_full.index(hs1), ((h0 + 1) // LAT_STAGES) & 1, lat_empty.index(hs0), HALF, L_DQ)
+            else:
+                for k in gl.static_range(2):
+                    if k == 1:
+                        mbarrier.wait(lat_full.index(hs1), ((h0 + 1) // LAT_STAGES) & 1)
+                    lat = lat_smem.index(hs1 if k == 1 else hs0)
+                    sc = sc_smem.index(hs1 if k == 1 else hs0)
+                    for g in gl.static_range(4):
+                        _sparse_mla_decode_gluon_pair_dq(
+                            lat, sc, _sparse_mla_decode_gluon_pick(k0_smem, k1_smem, k2_smem, k3_smem, g).index(0),
+                            g, k, HALF, L_DQ, False)
+                    if k == 0:
+                        cta_barrier()
+                        mbarrier.arrive(lat_empty.index(hs0))
             fence_async_shared()
             cta_barrier()
             mbarrier.arrive(lat_empty.index(hs1))
