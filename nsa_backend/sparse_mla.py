@@ -199,9 +199,10 @@ def sparse_mla_decode(
         ``[B]`` ``int32``: only the first ``topk_length[b]`` indices of request ``b`` count.
     kv_scale_format : str, optional
         How the fp8_ds_mla cache was written (see :func:`write_fp8_ds_mla_cache`): ``"pow2"`` promises
-        that every scale is a power of two (DeepSeek's writers), which lets kernels dequantise with a
-        bf16 multiply, giving the same keys faster; ``"arbitrary"`` or ``None``: any fp32 scales. A
-        ``"pow2"`` promise broken by the cache gives keys with rounded scales. Only for
+        that every scale is a power of two below ``2^8`` (DeepSeek's writers; a group absmax below 57,344),
+        which lets kernels dequantise with a bf16 multiply, giving the same keys faster; ``"arbitrary"`` or
+        ``None``: any fp32 scales. A ``"pow2"`` promise broken by the cache gives keys with rounded scales
+        (infinite keys from a scale of ``2^8`` on). Only for
         ``kv_format="fp8_ds_mla"``.
 
     Returns

@@ -57,7 +57,9 @@ With ``POW2_SCALES`` (``kv_scale_format="pow2"``: the caller promises power-of-t
 converted with integer instructions and one bf16 multiply (same numbers, 2 instead of 3 instructions
 per element, ``_sparse_mla_decode_gluon_dequant``): 75.3-76.4 / 146.9 us at B 128 and 32.0-32.4 / 46.7-47.9
 us at B 32 against 82.1-82.8 / 154.5 and 35.0 / 51.2 (the first integer form, 2.5 instructions per
-element: 78.2 / 148.1 and 32.7 / 48.9).
+element: 78.2 / 148.1 and 32.7 / 48.9). Reading every conversion step's bytes before the previous step's keys
+are stored (``_sparse_mla_decode_gluon_pair_dq_pow2``) then took 72.5 / 138.6 us at B 128 and 30.2 / 45.3 us at
+B 32, against 76.5 / 147.1 and 31.9 / 47.7 (FlashMLA 114.6 / 222.1 and 47.1 / 74.2).
 Below 32 programs per split the kernel above is faster (B 16 s_q 1: 28.9 against 30.9 us). Probes at
 B 128 s_q 1 (parts removed, garbage data): no copies 80.8 us, no conversion 58.2: the compute warps
 are the critical path. Tried without gain (``bench/results/h200/tuning/sparse_mla_gluon.md``):
@@ -481,10 +483,10 @@ if gluon is not None:
         element). With ``POW2_SCALES`` (the caller promises power-of-two scales) the same numbers in 2: per
         byte ``b`` the bf16 bits ``(b & 0x80) << 8 | (b & 0x7f) << 4`` are ``e4m3(b) * 2^-120`` exactly
         (subnormals included), and one ``bf16x2`` multiply by ``bf16(scale * 2^120)`` is exact for a power
-        of two. The bits come two bytes per 32-bit register: ``prmt`` with sign replication makes each
-        16-bit half ``int16(int8(b))`` (the sign in bits 7-15), then ``(x << 4) & 0x87f0`` keeps the
-        sign at bit 15 and the 7 magnitude bits at 4-10 (what the shift carries from the low half into
-        the high one lands in bits 16-19, which the mask clears).
+        of two below ``2^8`` (from ``2^8`` on the factor overflows bf16). The bits come two bytes per 32-bit
+        register: ``prmt`` with sign replication makes each 16-bit half ``int16(int8(b))`` (the sign in bits
+        7-15), then ``(x << 4) & 0x87f0`` keeps the sign at bit 15 and the 7 magnitude bits at 4-10 (what the
+        shift carries from the low half into the high one lands in bits 16-19, which the mask clears).
         """
         if POW2_SCALES:
             b_s16 = (b_sg * 1.329227995784916e36).to(gl.bfloat16)  # scale * 2^120

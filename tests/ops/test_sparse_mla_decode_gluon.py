@@ -139,22 +139,49 @@ _AOT_POW2 = textwrap.dedent(
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         src = GluonASTSource(fn, signature={n: sig[n] for n in names}, constexprs=ce, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        # the window of the first tile's conversion: from the wait for its bytes to its first key store
+        lines = ptx.splitlines()
+        first_cvt = next(i for i, line in enumerate(lines) if "e4m3x2" in line or "prmt.b32 a," in line)
+        start = max(i for i in range(first_cvt) if "mbarrier.try_wait" in lines[i])
+        stop = next(i for i in range(first_cvt, len(lines)) if "st.shared.v4" in lines[i])
         out[str(pow2)] = {"e4m3_cvt": ptx.count("e4m3x2"), "bf16x2_mul": ptx.count("mul.rn.bf16x2"),
-                          "f32_mul": ptx.count("mul.f32") + ptx.count("mul.rn.f32")}
+                          "f32_mul": ptx.count("mul.f32") + ptx.count("mul.rn.f32"),
+                          "byte_reads_before_first_store": sum("ld.shared.v2.b32" in line
+                                                               for line in lines[start:stop])}
     print(json.dumps(out))
     """
 )
 
 
-@pytest.mark.skipif(not gluon_available(), reason="this Triton has no Gluon")
-def test_gluon_decode_pair_pow2_conversion_takes_the_integer_path():
+@pytest.fixture(scope="module")
+def pair_ptx_counts() -> dict:
+    """Counts in the sm_90 PTX of the pair kernel with and without ``POW2_SCALES`` (one compilation each)."""
+    if not gluon_available():
+        pytest.skip("this Triton has no Gluon")
+    return run_aot_script(_AOT_POW2, timeout=240)
+
+
+def test_gluon_decode_pair_pow2_conversion_takes_the_integer_path(pair_ptx_counts):
     """With ``POW2_SCALES`` the pair kernel converts the keys without the fp8 unit (integer bits times a bf16
     scale); without it, with the fp8 conversions and an fp32 multiply per key element."""
-    counts = run_aot_script(_AOT_POW2, timeout=240)
+    counts = pair_ptx_counts
     exact, pow2 = counts["False"], counts["True"]
     assert exact["e4m3_cvt"] > 0 and exact["bf16x2_mul"] == 0, exact
     assert pow2["e4m3_cvt"] == 0 and pow2["bf16x2_mul"] > 0, pow2
     assert pow2["f32_mul"] < exact["f32_mul"], (exact, pow2)
+
+
+def test_gluon_decode_pair_pow2_reads_run_a_group_ahead(pair_ptx_counts):
+    """The power-of-two conversion of the pair kernel reads the bytes of the next latent group before it stores
+    the keys of the current one (ptxas keeps shared-memory reads below earlier stores, so the order of the source
+    is the order of the machine code): before the first key store of a tile, two groups' bytes are in flight."""
+    from nsa_backend.kernels import sparse_mla_decode_gluon as m
+
+    counts = pair_ptx_counts
+    # 8-byte reads (DQ_VEC 8): a group of a half tile is 32 rows x 128 bytes over 128 threads
+    assert m.PAIR_OPTIONS["DQ_VEC"] == 8
+    per_group = 32 * 128 // (128 * 8)
+    assert counts["True"]["byte_reads_before_first_store"] >= 2 * per_group, counts
 
 
 def _pow2_bits(pairs: torch.Tensor, selector: int) -> torch.Tensor:
