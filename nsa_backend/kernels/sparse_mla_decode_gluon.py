@@ -543,8 +543,8 @@ if gluon is not None:
         The bytes of each step are read before the keys of the step ahead of it are stored, across the two
         halves: ptxas does not move a shared-memory read above a shared-memory store, so in plain order every
         step waited for its reads (H200, h_q 16, same process: B 128 s_q 1 72.5 against 76.5 us, B 32 s_q 1
-        30.2 against 31.9 us). The exact conversion keeps
-        the plain order: its fp32 intermediates leave no registers for a second step (spills).
+        30.2 against 31.9 us). The exact conversion keeps the plain order: its fp32 intermediates leave no
+        registers for a second step (spills).
         """
         b_raw, b_sg = _sparse_mla_decode_gluon_pair_dq_read(lat_a, sc_a, 0, L_DQ)
         for i in gl.static_range(8):
