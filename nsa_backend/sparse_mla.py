@@ -202,8 +202,7 @@ def sparse_mla_decode(
         that every scale is a power of two below ``2^8`` (DeepSeek's writers; a group absmax below 57,344),
         which lets kernels dequantise with a bf16 multiply, giving the same keys faster; ``"arbitrary"`` or
         ``None``: any fp32 scales. A ``"pow2"`` promise broken by the cache gives keys with rounded scales
-        (infinite keys from a scale of ``2^8`` on). Only for
-        ``kv_format="fp8_ds_mla"``.
+        (infinite keys from a scale of ``2^8`` on). Only for ``kv_format="fp8_ds_mla"``.
 
     Returns
     -------

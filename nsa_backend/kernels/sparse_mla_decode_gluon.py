@@ -520,18 +520,17 @@ if gluon is not None:
             return b3
 
     @gluon.jit
-    def _sparse_mla_decode_gluon_pair_dq(lat, sc, k_smem, G: gl.constexpr, K: gl.constexpr, HALF: gl.constexpr,
-                                         L_DQ: gl.constexpr, POW2_SCALES: gl.constexpr):
-        """``bf16(e4m3 * scale)`` of latent group ``G`` of one half tile into rows ``[K * HALF, (K + 1) *
-        HALF)`` of that group's key buffer (``_sparse_mla_decode_gluon_dequant``)."""
-        b_sg = sc.slice(G, 1, dim=1).load(L_DQ)
-        b_raw = lat.slice(G * 128, 128, dim=1).load(L_DQ)
-        k_smem.slice(K * HALF, HALF, dim=0).store(_sparse_mla_decode_gluon_dequant(b_raw, b_sg, POW2_SCALES))
-
-    @gluon.jit
     def _sparse_mla_decode_gluon_pair_dq_read(lat, sc, G: gl.constexpr, L_DQ: gl.constexpr):
         """The e4m3 bytes and scales of latent group ``G`` of a half tile, in registers."""
         return lat.slice(G * 128, 128, dim=1).load(L_DQ), sc.slice(G, 1, dim=1).load(L_DQ)
+
+    @gluon.jit
+    def _sparse_mla_decode_gluon_pair_dq(lat, sc, k_smem, G: gl.constexpr, K: gl.constexpr, HALF: gl.constexpr,
+                                         L_DQ: gl.constexpr):
+        """Exact ``bf16(e4m3 * scale)`` of latent group ``G`` of one half tile into rows ``[K * HALF, (K + 1) *
+        HALF)`` of that group's key buffer (``_sparse_mla_decode_gluon_dequant``)."""
+        b_raw, b_sg = _sparse_mla_decode_gluon_pair_dq_read(lat, sc, G, L_DQ)
+        k_smem.slice(K * HALF, HALF, dim=0).store(_sparse_mla_decode_gluon_dequant(b_raw, b_sg, False))
 
     @gluon.jit
     def _sparse_mla_decode_gluon_pair_dq_pow2(lat_a, sc_a, lat_b, sc_b, k0, k1, k2, k3, full_b, phase_b, empty_a,
@@ -627,7 +626,7 @@ if gluon is not None:
                     for g in gl.static_range(4):
                         _sparse_mla_decode_gluon_pair_dq(
                             lat, sc, _sparse_mla_decode_gluon_pick(k0_smem, k1_smem, k2_smem, k3_smem, g).index(0),
-                            g, k, HALF, L_DQ, False)
+                            g, k, HALF, L_DQ)
                     if k == 0:
                         cta_barrier()
                         mbarrier.arrive(lat_empty.index(hs0))
