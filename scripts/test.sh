@@ -4,7 +4,8 @@
 #      (Triton kernels run in the CPU interpreter when there is no GPU; GPU tests skip);
 #   2. the SGLang integration and routing tests inside an environment with the real sglang release
 #      (routing is checked against SGLang's own validators and the native packages it brings);
-#   3. the vLLM integration and routing tests inside an environment with the real vllm release;
+#   3. the vLLM integration and routing tests inside an environment with each supported vllm release
+#      (0.33.0 and 0.34.0);
 #   4. the core tests again with the oldest supported torch and triton (torch 2.8, triton 3.4), less
 #      the ahead-of-time compile checks (triton 3.4's ptxas predates sm_121), the benchmark harness
 #      and the packaging tests (they need the tools of the core environment).
@@ -57,13 +58,16 @@ if [ "$core_only" = 0 ]; then
         echo "could not create the SGLang environment" >&2; status=1
     fi
 
-    stage "vLLM integration (vllm==0.33.0)"
-    if vl_py="$(scripts/venv.sh vllm | tail -n 1)"; then
-        "$vl_py" -m pytest tests/integrations/test_vllm_*.py tests/routing -q -p no:cacheprovider \
-            --junitxml="$reports/vllm.xml" "${pytest_extra[@]}" || status=1
-    else
-        echo "could not create the vLLM environment" >&2; status=1
-    fi
+    # The two newest vLLM releases, one cached environment each (scripts/requirements/vllm-*.txt).
+    for release in 0.33 0.34; do
+        stage "vLLM integration (vllm==$release.0)"
+        if vl_py="$(scripts/venv.sh "vllm-$release" | tail -n 1)"; then
+            "$vl_py" -m pytest tests/integrations/test_vllm_*.py tests/routing -q -p no:cacheprovider \
+                --junitxml="$reports/vllm-$release.xml" "${pytest_extra[@]}" || status=1
+        else
+            echo "could not create the vLLM $release environment" >&2; status=1
+        fi
+    done
 fi
 
 if [ "$core_only" = 0 ]; then
@@ -87,7 +91,7 @@ for xml in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
         for k in totals:
             totals[k] += counts[k]
         ran = counts["tests"] - counts["skipped"]
-        print(f"{xml.stem:>8}: {ran - counts['failures'] - counts['errors']} passed, "
+        print(f"{xml.stem:>12}: {ran - counts['failures'] - counts['errors']} passed, "
               f"{counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped")
 failed = totals["failures"] + totals["errors"]
 passed = totals["tests"] - totals["skipped"] - failed

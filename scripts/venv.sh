@@ -22,6 +22,13 @@ if [ $# -gt 0 ]; then
 else
     mapfile -t requirements < <(grep -v '^\s*\(#\|$\)' "$repo/scripts/requirements/$name.txt")
 fi
+# NAME.nodeps.txt, when present, lists packages installed afterwards with --no-deps: a release whose
+# exact pins the package index cannot satisfy gets its requirements (with the stand-ins) from
+# NAME.txt and itself from here.
+nodeps=()
+if [ $# -eq 0 ] && [ -f "$repo/scripts/requirements/$name.nodeps.txt" ]; then
+    mapfile -t nodeps < <(grep -v '^\s*\(#\|$\)' "$repo/scripts/requirements/$name.nodeps.txt")
+fi
 
 cache="${NSA_BACKEND_CACHE:-$HOME/.cache/nsa-backend}"
 venv="$cache/venv-$name"
@@ -38,11 +45,14 @@ if [ ! -x "$py" ]; then
     "${NSA_BACKEND_PYTHON:-python3}" -m venv "$venv" >&2
 fi
 
-req_key="$(printf '%s\n' "${requirements[@]}" "$("$py" -c 'import sys; print(sys.version)')" | digest)"
+req_key="$(printf '%s\n' "${requirements[@]}" "nodeps:" "${nodeps[@]}" "$("$py" -c 'import sys; print(sys.version)')" | digest)"
 req_stamp="$venv/.nsa-backend-requirements"
 if [ "$(cat "$req_stamp" 2>/dev/null || true)" != "$req_key" ]; then
     echo "venv[$name]: installing ${requirements[*]} (a first run takes minutes)" >&2
     "$py" -m pip install -q --disable-pip-version-check "${requirements[@]}" >&2
+    if [ ${#nodeps[@]} -gt 0 ]; then
+        "$py" -m pip install -q --disable-pip-version-check --no-deps "${nodeps[@]}" >&2
+    fi
     echo "$req_key" >"$req_stamp"
 fi
 
