@@ -1,13 +1,29 @@
-"""The nsa-backend CLI: doctor, plan and demo (exit codes and output)."""
+"""The nsa-backend CLI: doctor, plan and demo (exit codes and output); the console script's launcher
+(``--help`` / ``--version`` without torch); the ``[vllm]`` table read from ``--config``."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+import nsa_backend_cli
 from nsa_backend import cli, routing
 from nsa_backend.routing import config
+from nsa_backend_integrations.vllm import config as vllm_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+# Top-level packages that --help / --version must not import (nsa_backend's __init__ imports torch).
+HEAVY = ("torch", "triton", "nsa_backend", "nsa_backend_integrations", "rich")
 
 
 @pytest.fixture(autouse=True)
@@ -115,3 +131,110 @@ def test_demo_on_cpu(capsys):
     for part in ("fp8_mqa_logits", "topk_indices", "flash_mla_sparse_fwd", "sparse_mla_decode", "reference",
                  "agreement with reference", "decode 1", "total wall time"):
         assert part in out
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher: --help and --version import no torch
+# ----------------------------------------------------------------------------------------------
+
+PROBE = """
+import sys
+from nsa_backend_cli import main
+try:
+    main({argv!r})
+except SystemExit as exc:
+    assert exc.code == 0, exc.code
+else:
+    raise AssertionError("main() returned instead of exiting")
+print("IMPORTED", sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r})))
+"""
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("NSA_BACKEND_")}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["plan", "--help"], ["bench", "--help"]],
+                         ids=["help", "version", "plan-help", "bench-help"])
+def test_launcher_help_and_version_import_no_torch(argv):
+    result = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, heavy=HEAVY)], capture_output=True,
+                            text=True, env=_clean_env(), cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "IMPORTED []" in result.stdout, result.stdout[-500:]
+    assert ("usage: nsa-backend" in result.stdout) != (argv == ["--version"])
+    if argv == ["--version"]:
+        assert result.stdout.startswith(f"nsa-backend {nsa_backend_cli.version()}\n")
+
+
+def test_console_script_is_the_launcher(tmp_path):
+    """pyproject, the installed distribution's metadata and the installed script all name the launcher,
+    and the script's --help imports neither torch nor nsa_backend (``-X importtime`` lists every import)."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"nsa-backend": "nsa_backend_cli:main"}
+    # Read the installed metadata from outside the checkout: a build leaves nsa_backend.egg-info in the
+    # checkout, which importlib.metadata would find first when the checkout is on sys.path.
+    code = ("import importlib.metadata as m\n"
+            "eps = [e for e in m.distribution('nsa-backend').entry_points if e.group == 'console_scripts']\n"
+            "print([(e.name, e.value) for e in eps])\n"
+            "import nsa_backend_cli\n"
+            "print(eps[0].load() is nsa_backend_cli.main)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_clean_env(),
+                            cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["[('nsa-backend', 'nsa_backend_cli:main')]", "True"], (
+        result.stdout + "(refresh the install: pip install -e .)")
+    assert nsa_backend_cli.main is cli.main
+    script = Path(sys.executable).parent / "nsa-backend"
+    assert script.is_file(), script
+    result = subprocess.run([sys.executable, "-X", "importtime", str(script), "--help"], capture_output=True,
+                            text=True, env=_clean_env(), cwd=REPO, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("usage: nsa-backend"), result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "nsa_backend_cli" in imported and not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_launcher_constants_match_the_package():
+    """The parser's copies of the arch families and bench families equal the package's own."""
+    from nsa_backend.bench import FAMILIES
+    from nsa_backend.routing.device import ARCH_FAMILIES
+
+    assert nsa_backend_cli.ARCH_FAMILIES == ARCH_FAMILIES
+    assert nsa_backend_cli.bench.FAMILIES == FAMILIES
+
+
+# ----------------------------------------------------------------------------------------------
+# The [vllm] table of --config
+# ----------------------------------------------------------------------------------------------
+
+def test_vllm_settings_read_the_given_path(tmp_path, monkeypatch):
+    given = tmp_path / "given.toml"
+    given.write_text('[vllm]\nindexer = "off"\ntakeover = "on"\n')
+    other = tmp_path / "other.toml"
+    other.write_text('[vllm]\nindexer = "on"\n')
+    monkeypatch.setenv(config.CONFIG_ENV, str(other))
+    for var in (vllm_config.TAKEOVER_ENV, vllm_config.INDEXER_ENV, vllm_config.HC_PRENORM_ENV):
+        monkeypatch.delenv(var, raising=False)
+    assert vllm_config.load_settings(given) == vllm_config.VllmSettings(
+        takeover=vllm_config.TAKEOVER_NAMES, indexer="off", hc_prenorm="auto")
+    assert vllm_config.load_settings(str(given), {"indexer": "auto"}).indexer == "auto"
+    # without a path: the file of $NSA_BACKEND_CONFIG
+    assert vllm_config.load_settings().indexer == "on"
+
+
+def test_doctor_checks_the_vllm_table_of_config_not_the_environment(tmp_path, monkeypatch, capsys):
+    """``--config`` wins over ``$NSA_BACKEND_CONFIG`` for the [vllm] table too, and the environment is
+    left as it was."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[vllm]\nindexer = "sometimes"\n')
+    good = tmp_path / "good.toml"
+    good.write_text('[vllm]\nindexer = "off"\n')
+    monkeypatch.setenv(config.CONFIG_ENV, str(good))
+    routing.reset_config()
+    assert cli.main(["doctor", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"[vllm] settings ({bad})" in err and "'sometimes'" in err, err
+    assert os.environ[config.CONFIG_ENV] == str(good)
+    monkeypatch.setenv(config.CONFIG_ENV, str(bad))
+    routing.reset_config()
+    assert cli.main(["doctor", "--config", str(good)]) == 0, capsys.readouterr().err

@@ -67,8 +67,10 @@ def installed_venv(tmp_path_factory):
     """Build the wheel, make a fresh venv that sees this environment's packages, run docker/install.sh."""
     tmp = tmp_path_factory.mktemp("wheel")
     dist = tmp / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                    str(REPO)], check=True, cwd=tmp)
+    # sdist first, then the wheel from it: a stale build/lib in the checkout cannot leak into the wheel
+    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(REPO)],
+                           cwd=tmp, capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -98,6 +100,21 @@ def test_installed_wheel_runs_doctor(installed_venv):
     # The package came from the wheel, not from this checkout.
     where = _run(venv, env, str(venv / "bin" / "python"), "-c", "import nsa_backend; print(nsa_backend.__file__)")
     assert str(REPO) not in where.stdout and "site-packages" in where.stdout
+
+
+def test_installed_wheel_help_imports_no_torch(installed_venv):
+    """The wheel's console script is the launcher: ``--help`` and ``--version`` import neither torch
+    nor nsa_backend (``-X importtime`` lists every module the script imports)."""
+    venv, env = installed_venv
+    for flag in ("--help", "--version"):
+        result = _run(venv, env, str(venv / "bin" / "python"), "-X", "importtime", str(venv / "bin" / "nsa-backend"),
+                      flag)
+        assert result.returncode == 0 and result.stdout.startswith(("usage: nsa-backend", "nsa-backend 0.")), (
+            result.stdout + result.stderr[-2000:])
+        imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in result.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "nsa_backend_cli" in imported, flag
+        assert not imported & {"torch", "nsa_backend"}, (flag, sorted(imported & {"torch", "nsa_backend"}))
 
 
 def test_installed_wheel_exposes_framework_entry_points(installed_venv):

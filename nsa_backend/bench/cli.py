@@ -1,8 +1,9 @@
 """Command-line wiring of the benchmark suite.
 
-``add_bench_parser(subparsers)`` adds the ``bench`` subcommand to the ``nsa-backend`` parser and
-``run_bench(args)`` runs it; ``main()`` serves ``python -m nsa_backend.bench``. Heavy imports
-(torch, the runner) happen inside ``run_bench`` so building the parser stays cheap.
+The arguments are declared in :mod:`nsa_backend_cli.bench` (the ``nsa-backend`` launcher builds its
+parser without importing this package); ``run_bench(args)`` runs the suite with them,
+``add_bench_parser(subparsers)`` adds the subcommand with ``func=run_bench``, and ``main()`` serves
+``python -m nsa_backend.bench``.
 """
 
 from __future__ import annotations
@@ -12,38 +13,13 @@ import json
 import sys
 from collections.abc import Sequence
 
-from nsa_backend.bench import FAMILIES
-
-DESCRIPTION = (
-    "Time every op family on its standard shapes against the torch fallback, the native kernels that are "
-    "importable (flash_mla, deep_gemm, flashinfer) and the copy / bf16 / fp8 matmul rates measured in the "
-    "same process. Writes results.json, results.md, results.csv and one PNG per family."
-)
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", nargs="+", metavar="NAME", default=None,
-                        help=f"families ({', '.join(FAMILIES)}) and/or public op names, space- or "
-                             "comma-separated (default: all families)")
-    parser.add_argument("--quick", action="store_true",
-                        help="small shapes and short limit measurements (always on without a GPU: the "
-                             "reference path on tiny shapes)")
-    parser.add_argument("--out", metavar="DIR", default=None,
-                        help="output directory (default: bench/results/<gpu>, e.g. bench/results/h200)")
-    parser.add_argument("--no-plots", dest="plots", action="store_false", help="do not write PNG plots")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    parser.add_argument("--git-commit", metavar="SHA", default=None,
-                        help="commit to record in results.json (default: asked from git)")
-    parser.add_argument("--replot", metavar="PATH", default=None,
-                        help="measure nothing: rewrite results.md, results.csv and the plots from PATH "
-                             "(a results.json or its directory), into --out if given")
+from nsa_backend_cli import bench as bench_args
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``bench`` subcommand; its namespace gets ``func=run_bench``."""
-    parser = subparsers.add_parser("bench", help="benchmark the kernels against native kernels and GPU limits",
-                                   description=DESCRIPTION)
-    _add_arguments(parser)
+    """Add the ``bench`` subcommand (:func:`nsa_backend_cli.bench.add_bench_parser`); its namespace gets
+    ``func=run_bench``."""
+    parser = bench_args.add_bench_parser(subparsers)
     parser.set_defaults(func=run_bench)
     return parser
 
@@ -85,6 +61,6 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m nsa_backend.bench``."""
-    parser = argparse.ArgumentParser(prog="python -m nsa_backend.bench", description=DESCRIPTION)
-    _add_arguments(parser)
+    parser = argparse.ArgumentParser(prog="python -m nsa_backend.bench", description=bench_args.DESCRIPTION)
+    bench_args.add_arguments(parser)
     return run_bench(parser.parse_args(sys.argv[1:] if argv is None else argv))

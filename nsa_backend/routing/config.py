@@ -165,6 +165,29 @@ def _read_env() -> tuple[dict[str, str], str | None, str | None]:
     return env, force, level.lower() if level else None
 
 
+def _read_toml(path: str) -> dict[str, Any]:
+    """The parsed TOML document at ``path``; every way reading it can fail is a :class:`ConfigError`
+    naming the file and what a config file must be."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found (from {CONFIG_ENV} or --config)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory; expected a TOML config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                          f"expected a UTF-8 TOML config file") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     """Read the config file at ``path`` (default: ``$NSA_BACKEND_CONFIG``, else none) plus the
     environment overrides, and validate both. Raises :class:`ConfigError`."""
@@ -177,13 +200,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     path_str = None
     if path is not None:
         path_str = os.fspath(path)
-        try:
-            with open(path_str, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"{path_str}: config file not found (from {CONFIG_ENV} or --config)") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path_str}: not valid TOML: {exc}") from None
+        data = _read_toml(path_str)
         defaults, arch, model = parse_config(data, path_str)
         integrations = {name: data[name] for name in INTEGRATION_SECTIONS if name in data}
     env, env_force, env_level = _read_env()

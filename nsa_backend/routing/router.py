@@ -5,8 +5,10 @@ model / arch / defaults sections), then the capability table: a native kernel wh
 imports and it supports the shape (zero-padding heads where that makes it usable), else Triton.
 Where the Triton kernels were measured faster than a native kernel on padded heads
 (:data:`capabilities.TRITON_OVER_PADDED`), Triton is taken instead of padding.
-CPU tensors always get the plain PyTorch reference; on a GPU the reference is used only when asked
-for (or for the few ops without a GPU kernel).
+CPU tensors get the plain PyTorch reference under ``"auto"``; ``"triton"`` (asked for by name, by
+the environment or by the config file) runs the Triton kernels on CPU tensors in the interpreter
+when ``TRITON_INTERPRET=1``. On a GPU the reference is used only when asked for (or for the few ops
+without a GPU kernel).
 
 An explicit ``requested`` name is checked against the table and raises ``ValueError`` naming the
 op, the implementation, the arch, why, and the valid choices -- except ``"reference"``, which is
@@ -148,6 +150,11 @@ def _reject(op: str, impl: str, arch: str, why: str, features: Mapping[str, Any]
     return ValueError(f"{op}: impl={impl!r} is not usable on {arch}: {why}. Valid choices for this call: {valid}")
 
 
+def _cpu_refusal(impl: str) -> str:
+    hint = " (with TRITON_INTERPRET=1 it runs in the Triton interpreter)" if impl == "triton" else ""
+    return f"{impl} needs a GPU and the tensors are on the CPU{hint}"
+
+
 def decide(op: str, requested: str, arch: str, features: Mapping[str, Any], *, model: str | None = None,
            config: Config | None = None, natives: Mapping[str, caps.NativeStatus] | None = None) -> Decision:
     """Route one call without caching (see the module docstring for the rules)."""
@@ -166,8 +173,7 @@ def decide(op: str, requested: str, arch: str, features: Mapping[str, Any], *, m
         if arch == "cpu":
             if requested == "triton" and envs.triton_interpret():
                 return Decision(op, "triton", "impl argument", "Triton CPU interpreter (TRITON_INTERPRET=1)")
-            raise _reject(op, requested, arch, f"{requested} needs a GPU and the tensors are on the CPU",
-                          features, natives)
+            raise _reject(op, requested, arch, _cpu_refusal(requested), features, natives)
         verdict = caps.evaluate(op, requested, arch, features, natives)
         if not verdict.ok:
             raise _reject(op, requested, arch, verdict.reason, features, natives)
@@ -180,8 +186,10 @@ def decide(op: str, requested: str, arch: str, features: Mapping[str, Any], *, m
         if choice == "reference":
             return Decision(op, "reference", source, "configured")
         if choice != "auto" and choice in implemented:
-            if arch == "cpu":
-                verdict = caps.Verdict(False, f"{choice} needs a GPU and the tensors are on the CPU")
+            if arch == "cpu" and choice == "triton" and envs.triton_interpret():
+                verdict = caps.Verdict(True, "Triton CPU interpreter (TRITON_INTERPRET=1)")
+            elif arch == "cpu":
+                verdict = caps.Verdict(False, _cpu_refusal(choice))
             else:
                 verdict = caps.evaluate(op, choice, arch, features, natives)
             if verdict.ok:

@@ -132,6 +132,20 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+# Most attention heads one GPU may hold for a choice (after tensor parallelism). SGLang's Triton
+# sparse MLA prefill kernel is written for up to 32 heads; FlashMLA pads to 64 or 128 heads and
+# FlashInfer's sparse MLA takes head buckets up to 128, so neither runs more than 128. Choices not
+# listed have no limit of their own (nsa-backend's kernels check their own bound per call).
+MAX_HEADS_PER_GPU: dict[str, int] = {
+    "triton_sparse_mla": 32,
+    "flashmla_sparse": 128,
+    "flashmla_sparse_q8": 128,
+    "flashmla_kv": 128,
+    "flashmla_auto": 128,
+    "flashinfer_sparse_mla": 128,
+}
+
+
 class ImplChoiceError(ValueError):
     """An implementation choice that cannot run for this model, device arch and KV-cache dtype."""
 
@@ -199,12 +213,17 @@ def valid_impl_choices(model_arch: str, device_arch: str, kv_cache_dtype: str, p
     return [name for name in IMPL_CHOICES if _accepts(name, phase, family, device_arch, kv)]
 
 
+def _within_heads(choices: list[str], heads_per_gpu: int) -> list[str]:
+    return [c for c in choices if heads_per_gpu <= MAX_HEADS_PER_GPU.get(c, heads_per_gpu)]
+
+
 def validate_impl_choice(model_arch: str, device_arch: str, kv_cache_dtype: str, prefill_impl: str,
-                         decode_impl: str) -> None:
+                         decode_impl: str, *, heads_per_gpu: int | None = None) -> None:
     """Raise :class:`ImplChoiceError` unless the prefill and decode choices can run together.
 
     The message names the model architecture, the device arch, the KV-cache dtype, the rejected
-    choice, why, and the valid choices for that phase.
+    choice, why, and the valid choices for that phase. With ``heads_per_gpu`` (attention heads per
+    GPU after tensor parallelism) a choice's head limit (:data:`MAX_HEADS_PER_GPU`) is checked too.
     """
     family = _model(model_arch)
     _check_arch(device_arch)
@@ -218,6 +237,14 @@ def validate_impl_choice(model_arch: str, device_arch: str, kv_cache_dtype: str,
             raise ImplChoiceError(f"{context}: {phase} implementation {name!r} rejected: "
                                   f"{_why_not(name, phase, family, device_arch, kv)}. Valid {phase} choices: "
                                   f"{valid_impl_choices(model_arch, device_arch, kv, phase)}")
+    if heads_per_gpu is not None:
+        for phase, name in (("prefill", prefill_impl), ("decode", decode_impl)):
+            limit = MAX_HEADS_PER_GPU.get(name)
+            if limit is not None and heads_per_gpu > limit:
+                valid = _within_heads(valid_impl_choices(model_arch, device_arch, kv, phase), heads_per_gpu)
+                raise ImplChoiceError(f"{context}: {phase} implementation {name!r} rejected: it runs at most {limit} "
+                                      f"attention heads per GPU, this model has {heads_per_gpu} per GPU (raise the "
+                                      f"tensor-parallel degree). Valid {phase} choices: {valid}")
     # Cross-phase rule: TileLang reads raw FP8 rows without the per-block scales other kernels
     # write, so on CUDA an FP8 cache with tilelang in one phase needs it in both.
     if kv == "fp8_e4m3" and device_arch != "rocm" and "tilelang" in (prefill_impl, decode_impl) \
