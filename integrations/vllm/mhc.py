@@ -1,11 +1,13 @@
 """Routing of vLLM's DeepGEMM ``tf32_hc_prenorm_gemm`` (DeepSeek-V4 mHC pre-norm GEMM) to nsa-backend.
 
 vLLM's mHC layers call ``vllm.utils.deep_gemm.tf32_hc_prenorm_gemm(x, fn, out, sqrsum, n_splits)``
-whenever vLLM considers DeepGEMM supported, which includes SM120/SM121 where DeepGEMM has no
-kernel for it ("Unsupported architecture"). :func:`install` replaces that module attribute with
-:func:`routed_tf32_hc_prenorm_gemm`, which keeps DeepGEMM on SM90/SM100 and runs
-:func:`nsa_backend.tf32_hc_prenorm_gemm` elsewhere (or everywhere with ``hc_prenorm = "on"``).
-The callers import the function at call time, so the replacement reaches all of them.
+whenever vLLM considers DeepGEMM supported (SM90, SM100 and SM120 / SM121). :func:`install` replaces
+that module attribute with :func:`routed_tf32_hc_prenorm_gemm`, which keeps DeepGEMM wherever the
+DeepGEMM vLLM loads has a kernel for the GPU and accepts the shape (:func:`deep_gemm_serves_hc_prenorm`:
+SM90 up to N = 32, SM100, and SM120 / SM121 with a build that has ``sm120_tf32_hc_prenorm_gemm``,
+N <= 128 with N % 8 == 0, K % 64 == 0) and runs :func:`nsa_backend.tf32_hc_prenorm_gemm` elsewhere
+(or everywhere with ``hc_prenorm = "on"``). The callers import the function at call time, so the
+replacement reaches all of them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 import nsa_backend
-from nsa_backend_integrations.vllm.config import deep_gemm_has_kernels
+from nsa_backend_integrations.vllm.config import deep_gemm_serves_hc_prenorm
 
 logger = logging.getLogger("nsa_backend.vllm")
 
@@ -27,12 +29,22 @@ DEEP_GEMM_MODULE = "vllm.utils.deep_gemm"
 FUNCTION = "tf32_hc_prenorm_gemm"
 
 
-def _use_nsa(mode: str, device: torch.device) -> bool:
+@functools.lru_cache(maxsize=64)
+def _native_serves(arch: str, n: int, k: int) -> bool:
+    served, why = deep_gemm_serves_hc_prenorm(arch, n, k)
+    logger.info("nsa-backend: tf32_hc_prenorm_gemm N=%d K=%d on %s: %s (%s)", n, k, arch,
+                "vLLM's DeepGEMM" if served else "nsa-backend", why)
+    return served
+
+
+def _use_nsa(mode: str, device: torch.device, fn: torch.Tensor) -> bool:
+    """Whether this call runs on nsa-backend: ``mode == "on"``, CPU tensors, or a GPU / shape
+    (``fn`` is ``[N, K]``) the DeepGEMM vLLM loads has no kernel for."""
     if mode == "on" or device.type != "cuda":
         return True
     from nsa_backend.routing import detect_arch
 
-    return not deep_gemm_has_kernels(detect_arch(device))
+    return not _native_serves(detect_arch(device), int(fn.shape[0]), int(fn.shape[-1]))
 
 
 def make_routed(original: Callable[..., Any] | None, mode: str) -> Callable[..., Any]:
@@ -48,7 +60,7 @@ def make_routed(original: Callable[..., Any] | None, mode: str) -> Callable[...,
     ) -> Any:
         """``out = x.float() @ fn.T`` and ``sqrsum = x.float().square().sum(-1)`` (split over K when
         ``out`` is ``[num_split, M, N]``)."""
-        if original is None or _use_nsa(mode, x.device):
+        if original is None or _use_nsa(mode, x.device, fn):
             splits = num_split if out.dim() == 3 else None
             nsa_backend.tf32_hc_prenorm_gemm(x, fn, out, sqrsum, num_splits=splits)
             return None

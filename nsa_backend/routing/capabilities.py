@@ -8,8 +8,17 @@ be met by zero-padding (indexer heads with zero weights, FlashMLA query heads) s
 pads rather than giving up the native kernel.
 
 Sources (versions checked): DeepGEMM 2.0-2.6 ``csrc/apis/attention.hpp`` and
-``hyperconnection.hpp``; FlashMLA 1.0 (``sgl-flash-mla`` 1.0.0: SM90 and the V3.2 cache format
-through ``use_legacy=True``); FlashInfer 0.6.18-0.7.2 ``mla/_sparse_mla_sm120``.
+``hyperconnection.hpp``, and for SM120 / SM121 the DeepGEMM 2.8.1 bundled with vLLM 0.33 / 0.34 and
+``sgl-deep-gemm`` 0.2.3.post2 (``csrc/jit_kernels/impls/sm120_*.hpp``); FlashMLA 1.0
+(``sgl-flash-mla`` 1.0.0: SM90 and the V3.2 cache format through ``use_legacy=True``); FlashInfer
+0.6.18-0.7.2 ``mla/_sparse_mla_sm120``.
+
+Whether a DeepGEMM build has SM120 kernels cannot be read from its version (forks number their own
+releases, and upstream added the ``arch_major == 12`` branches in the 2.x line): the shared library
+is read instead (:func:`read_deep_gemm_library`, no GPU needed). It names every JIT kernel it can
+compile (``sm120_fp8_mqa_logits``, ...) and keeps its host assertions as text; rows that need a
+kernel name it (``Support.kernels``), and limits a build states about itself (the SM120 paged
+``block_kv``) narrow the documented ones (``Support.library_limits``).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -90,15 +100,17 @@ class Range:
 
 @dataclasses.dataclass(frozen=True)
 class MultipleOf:
-    """The feature must be a positive multiple of ``n``."""
+    """The feature must be a positive multiple of ``n`` (and at most ``hi`` when given)."""
 
     n: int
+    hi: int | None = None
 
     def check(self, value: Any) -> bool:
-        return isinstance(value, int) and value > 0 and value % self.n == 0
+        return (isinstance(value, int) and value > 0 and value % self.n == 0
+                and (self.hi is None or value <= self.hi))
 
     def describe(self) -> str:
-        return f"a multiple of {self.n}"
+        return f"a multiple of {self.n}" + (f" <= {self.hi}" if self.hi is not None else "")
 
 
 Constraint = OneOf | Range | MultipleOf
@@ -116,9 +128,14 @@ class Support:
     min_version: str | None = None
     max_version: str | None = None   # exclusive
     note: str = ""
-    # "module:function(device) -> (ok, why)" run once per GPU: for builds whose arch support cannot
-    # be read from the version (DeepGEMM has no SM120 kernels unless the installed build adds them).
+    # "module:function(device) -> (ok, why)" run once per GPU: the fallback for builds whose library
+    # could not be read (``NativeStatus.library is None``, e.g. a package assumed by ``plan``).
     probe: str | None = None
+    # JIT kernel names the package's library must contain (read without a GPU).
+    kernels: tuple[str, ...] = ()
+    # (feature, library limit key): where the library states the accepted values of a feature
+    # (:attr:`LibraryInfo.limits`), the feature must also be one of them.
+    library_limits: tuple[tuple[str, str], ...] = ()
 
     def version_ok(self, version: str | None) -> bool:
         if self.min_version is None and self.max_version is None:
@@ -142,8 +159,10 @@ class Support:
 
 
 def _row(op: str, impl: str, archs: Iterable[str], *, package: str | None = None, min_version: str | None = None,
-         max_version: str | None = None, note: str = "", probe: str | None = None, **where: Constraint) -> Support:
-    return Support(op, impl, frozenset(archs), tuple(where.items()), package, min_version, max_version, note, probe)
+         max_version: str | None = None, note: str = "", probe: str | None = None, kernels: tuple[str, ...] = (),
+         library_limits: tuple[tuple[str, str], ...] = (), **where: Constraint) -> Support:
+    return Support(op, impl, frozenset(archs), tuple(where.items()), package, min_version, max_version, note, probe,
+                   kernels, library_limits)
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -209,7 +228,24 @@ def _deep_gemm_paged_rows() -> tuple[Support, ...]:
 
 
 _DG_SM120_PROBE = "nsa_backend.native.deep_gemm:arch_supported"
-_DG_SM120_NOTE = "the installed DeepGEMM build has SM120 kernels (checked on this GPU)"
+_DG_SM120_NOTE = "DeepGEMM SM120 kernel"
+# DeepGEMM on SM120 / SM121 (one sm_120f kernel family), from the host code of the builds that have
+# the kernels (``sm120_mqa_logits.hpp``, ``sm120_tf32_hc_prenorm_gemm.hpp``, ``attention.hpp``):
+# indexer H in {32, 64} (fewer heads zero-padded; 16 is accepted by some builds only), head_dim 128,
+# 2-D context lengths with any next_n, paged block_kv 32 or 64 as the build's ``arch_major == 12``
+# assertion states (``sgl-deep-gemm`` 0.2.3 and vLLM's ``get_paged_mqa_page_sizes`` keep 64 only);
+# mHC pre-norm N <= 128 with N % 8 == 0, K % 64 == 0. Each row needs its kernel in the library.
+_SM120_HEADS = OneOf((32, 64), pad=True)
+_SM120_PAGE = (("page_size", "sm120.paged_block_kv"),)
+_DG_SM120_ROWS: tuple[tuple[str, str, dict[str, Constraint], tuple[tuple[str, str], ...]], ...] = (
+    ("fp8_mqa_logits", "sm120_fp8_mqa_logits", {"num_heads": _SM120_HEADS, "head_dim": OneOf((128,))}, ()),
+    ("get_paged_mqa_logits_metadata", "sm120_paged_mqa_logits_metadata", {"page_size": OneOf((32, 64))},
+     _SM120_PAGE),
+    ("fp8_paged_mqa_logits", "sm120_fp8_paged_mqa_logits",
+     {"num_heads": _SM120_HEADS, "head_dim": OneOf((128,)), "page_size": OneOf((32, 64)), "next_n": Range(1, None)},
+     _SM120_PAGE),
+    ("tf32_hc_prenorm_gemm", "sm120_tf32_hc_prenorm_gemm", {"n": MultipleOf(8, hi=128), "k": MultipleOf(64)}, ()),
+)
 
 _TRITON_OPS = (
     "fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "topk_indices",
@@ -231,16 +267,10 @@ TABLE: tuple[Support, ...] = (
     _row("tf32_hc_prenorm_gemm", "deep_gemm", SM90, **_DG, min_version="2.3", n=Range(1, 32),
          k=MultipleOf(64)),
     _row("tf32_hc_prenorm_gemm", "deep_gemm", SM100, **_DG, min_version="2.3", k=MultipleOf(64)),
-    # DeepGEMM on SM120 / SM121: upstream raises "Unsupported architecture"; a build that has the
-    # kernels is recognised by running its paged-metadata kernel once on the GPU.
-    *(_row(op, "deep_gemm", SM120, **_DG, probe=_DG_SM120_PROBE, note=_DG_SM120_NOTE, **where)
-      for op, where in (
-          ("fp8_mqa_logits", {"num_heads": _SM90_HEADS, "head_dim": _IDX_HEAD_DIM}),
-          ("get_paged_mqa_logits_metadata", {"page_size": OneOf((64,))}),
-          ("fp8_paged_mqa_logits", {"num_heads": _SM90_HEADS, "head_dim": _IDX_HEAD_DIM,
-                                    "page_size": OneOf((64,)), "next_n": Range(1, None)}),
-          ("tf32_hc_prenorm_gemm", {"n": Range(1, 32), "k": MultipleOf(64)}),
-      )),
+    # DeepGEMM on SM120 / SM121: only builds whose library has the kernel (see _DG_SM120_ROWS).
+    *(_row(op, "deep_gemm", SM120, **_DG, probe=_DG_SM120_PROBE, note=_DG_SM120_NOTE, kernels=(kernel,),
+           library_limits=limits, **where)
+      for op, kernel, where, limits in _DG_SM120_ROWS),
     # FlashMLA sparse prefill: h_q 64 / 128 (smaller head counts padded with zero queries),
     # d_qk 576 (V3.2 / GLM-5) or 512 (V4), d_v 512.
     _row("flash_mla_sparse_fwd", "flash_mla", (*SM90, *SM100), package="flash_mla",
@@ -317,6 +347,26 @@ def impls_with_rows(op: str) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
+class LibraryInfo:
+    """What a native package's shared library says about itself (read from the file, no GPU).
+
+    ``kernels``: the JIT kernel names it can compile (``sm120_fp8_mqa_logits``, ...). ``limits``: values
+    a feature may take as stated by the library's own host assertions, e.g. ``"sm120.paged_block_kv"``
+    -> ``(32, 64)``; a key is absent where the library does not state it.
+    """
+
+    path: str
+    kernels: frozenset[str]
+    limits: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> str:
+        archs = sorted({k.split("_", 1)[0] for k in self.kernels}, key=lambda a: int(a[2:]) if a[2:].isdigit() else 0)
+        limits = ", ".join(f"{key} {set(vals)}" for key, vals in self.limits.items())
+        return f"{os.path.basename(self.path)}: kernels for {', '.join(archs) or 'no arch'}" + (
+            f"; {limits}" if limits else "")
+
+
+@dataclasses.dataclass(frozen=True)
 class NativeStatus:
     """Whether a native package imports, its version, and why not."""
 
@@ -325,6 +375,7 @@ class NativeStatus:
     version: str | None = None
     error: str | None = None
     api_version: str | None = None   # upstream release whose API the module matches (DeepGEMM forks)
+    library: LibraryInfo | None = None   # None: not read (not found, or a package assumed by ``plan``)
 
     @property
     def effective_version(self) -> str | None:
@@ -360,6 +411,94 @@ def deep_gemm_api_version(module: Any) -> str:
     return "2.1"
 
 
+# A JIT kernel name stored as its own C string in the library (``jit->compile("sm120_...", ...)``).
+_KERNEL_NAME = re.compile(rb"(?<=\x00)(sm\d{2,3}[a-z]?_[a-z0-9_]+)(?=\x00)")
+# The paged-logits assertion on the fused KV cache names each arch's block_kv; its SM120 clause is
+# ``arch_major == 12 and block_kv == 64`` or ``arch_major == 12 and (block_kv == 32 or block_kv == 64)``
+# (a build that also takes FP4 pages writes ``(not is_fp4 and block_kv == 64)`` for the FP8 ones).
+_SM120_CLAUSE = b"arch_major == 12 and "
+_BLOCK_KV_VALUE = re.compile(r"block_kv == (\d+)")
+
+
+def _clause_after(text: str) -> str:
+    """The operand at the start of ``text``: a balanced ``( ... )`` group, or up to the first ``)``."""
+    if not text.startswith("("):
+        return text.split(")", 1)[0]
+    depth = 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return text[:i + 1]
+    return text
+
+
+def _sm120_paged_block_kv(data: bytes) -> tuple[int, ...] | None:
+    at = data.find(_SM120_CLAUSE)
+    while at >= 0:
+        stop = data.find(b"\x00", at)
+        text = data[at + len(_SM120_CLAUSE):stop].decode("ascii", "replace")
+        clause = _clause_after(text)
+        if "block_kv" in clause:
+            fp8 = _clause_after(clause.split("not is_fp4 and ", 1)[1]) if "not is_fp4 and " in clause else clause
+            values = tuple(sorted({int(v) for v in _BLOCK_KV_VALUE.findall(fp8)}))
+            if values:
+                return values
+        at = data.find(_SM120_CLAUSE, at + 1)
+    return None
+
+
+def _library_file(package_dir: str) -> str | None:
+    """The compiled extension of a DeepGEMM package (``_C.so``, ``_C.cpython-*.so``, ``_C_extension.abi3.so``)."""
+    try:
+        names = sorted(os.listdir(package_dir))
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith("_C") and name.endswith(".so"):
+            return os.path.join(package_dir, name)
+    return None
+
+
+@functools.cache
+def _read_library(path: str, mtime: float) -> LibraryInfo:
+    with open(path, "rb") as f:
+        data = f.read()
+    kernels = frozenset(m.decode() for m in _KERNEL_NAME.findall(data))
+    limits: dict[str, tuple[int, ...]] = {}
+    block_kv = _sm120_paged_block_kv(data)
+    if block_kv is not None:
+        limits["sm120.paged_block_kv"] = block_kv
+    return LibraryInfo(path, kernels, limits)
+
+
+def read_deep_gemm_library(package_dir: str) -> LibraryInfo | None:
+    """Read the shared library of the DeepGEMM package in ``package_dir`` without importing it or
+    touching a GPU: its JIT kernel names and the limits it states (see :class:`LibraryInfo`).
+
+    Returns ``None`` when the directory holds no ``_C*.so``. Cached per file and modification time.
+    """
+    path = _library_file(package_dir)
+    if path is None:
+        return None
+    return _read_library(path, os.path.getmtime(path))
+
+
+def package_version_in(package_dir: str) -> str | None:
+    """Version a package directory declares without importing it: a ``VERSION`` file
+    (``sgl-deep-gemm``) or a literal ``__version__ = "..."`` in ``__init__.py`` (vendored copies)."""
+    try:
+        with open(os.path.join(package_dir, "VERSION")) as f:
+            return f.read().strip() or None
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(package_dir, "__init__.py")) as f:
+            match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
 def _probe_one(name: str) -> NativeStatus:
     module_name = NATIVE_MODULES[name]
     try:
@@ -369,7 +508,10 @@ def _probe_one(name: str) -> NativeStatus:
     version = getattr(module, "__version__", None) or _distribution_version(name)
     version = str(version) if version is not None else None
     api = deep_gemm_api_version(module) if name == "deep_gemm" else None
-    return NativeStatus(name, True, version, api_version=api if api != version else None)
+    library = None
+    if name == "deep_gemm" and getattr(module, "__file__", None):
+        library = read_deep_gemm_library(os.path.dirname(os.path.abspath(module.__file__)))
+    return NativeStatus(name, True, version, api_version=api if api != version else None, library=library)
 
 
 _probe_override: dict[str, NativeStatus] | None = None
@@ -455,13 +597,59 @@ def evaluate(op: str, impl: str, arch: str, features: Mapping[str, Any],
     reasons = []
     for row in on_arch:
         reason, padded = _check_row(row, features)
-        if reason is None and row.probe is not None:
+        note = row.note
+        if reason is None and row.kernels:
+            reason, note = _kernel_reason(row, status, arch, features)
+        elif reason is None and row.probe is not None:
             reason = _probe_reason(row, arch, features.get("device"))
         if reason is None:
-            return Verdict(True, row.note, padded, row)
+            return Verdict(True, note, padded, row)
         if reason not in reasons:
             reasons.append(reason)
     return Verdict(False, f"{impl} {op} on {arch}: " + "; or ".join(reasons))
+
+
+# Release from which DeepGEMM builds carry the SM120 kernels (vLLM 0.33 / 0.34 bundle 2.8.1 with them).
+# Used only when no library could be read: a package assumed by ``nsa-backend plan --assume-natives``.
+KERNELS_ASSUMED_FROM: dict[str, str] = {"deep_gemm": "2.8"}
+
+
+def _kernel_reason(row: Support, status: NativeStatus | None, arch: str,
+                   features: Mapping[str, Any]) -> tuple[str | None, str]:
+    """``(None, note)`` when the package's library has ``row.kernels`` and states no limit the call
+    breaks, else ``(why not, "")``. Without a library: the GPU probe on a GPU, else the version."""
+    library = status.library if status is not None else None
+    if library is None:
+        device = features.get("device")
+        if row.probe is not None and device is not None and _device_type(device) == "cuda":
+            reason = _probe_reason(row, arch, device)
+            return reason, ("" if reason else f"{row.note} (checked on this GPU)")
+        first = KERNELS_ASSUMED_FROM.get(row.package or "")
+        version = status.effective_version if status is not None else None
+        if first is not None and version is not None and parse_version(version) >= parse_version(first):
+            return None, (f"{row.note} {', '.join(row.kernels)} (assumed: {row.package} >= {first} builds have it; "
+                          f"no library read)")
+        return (f"whether {row.package} {version or ''} has {', '.join(row.kernels)} is unknown: its library "
+                f"was not read (builds from {first} have it)" if first else
+                f"whether {row.package} has {', '.join(row.kernels)} is unknown"), ""
+    missing = [k for k in row.kernels if k not in library.kernels]
+    if missing:
+        return (f"the installed {row.package} {status.version if status else ''} library has no "
+                f"{', '.join(missing)} kernel ({library.describe()})"), ""
+    for name, key in row.library_limits:
+        allowed = library.limits.get(key)
+        if allowed is not None and features.get(name) not in allowed:
+            values = "{" + ", ".join(str(v) for v in allowed) + "}"
+            return (f"{name}={features.get(name)!r} is not in {values}, which the installed {row.package} "
+                    f"library states for {arch} ({os.path.basename(library.path)})"), ""
+    return None, f"{row.note} {', '.join(row.kernels)} (in {os.path.basename(library.path)})"
+
+
+def _device_type(device: Any) -> str:
+    """``"cuda"``, ``"cpu"``, ... of a ``torch.device`` or device string."""
+    import torch
+
+    return torch.device(device).type
 
 
 _probe_cache: dict[tuple[str, int], tuple[bool, str]] = {}

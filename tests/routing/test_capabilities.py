@@ -87,7 +87,7 @@ def test_deep_gemm_rejections_say_why():
     v = evaluate("fp8_mqa_logits", "deep_gemm", "sm89", {"num_heads": 32, **IDX}, ALL_NATIVES)
     assert "no fp8_mqa_logits kernel for sm89" in v.reason and "sm90" in v.reason
     v = evaluate("fp8_mqa_logits", "deep_gemm", "sm120", {"num_heads": 32, **IDX}, ALL_NATIVES)
-    assert not v.ok and "only known on the GPU" in v.reason
+    assert not v.ok and "sm120_fp8_mqa_logits is unknown: its library was not read" in v.reason
     v = evaluate("fp8_mqa_logits", "deep_gemm", "sm90", {"num_heads": 128, **IDX}, ALL_NATIVES)
     assert "num_heads=128" in v.reason and "{32, 64}" in v.reason
     v = evaluate("fp8_mqa_logits", "deep_gemm", "sm90", {"num_heads": 64, **IDX}, {})
@@ -218,3 +218,133 @@ def test_deep_gemm_sm120_only_where_the_build_has_it(monkeypatch, result, ok):
     v = evaluate("fp8_mqa_logits", "deep_gemm", "sm120", {"num_heads": 32, **IDX, "device": cuda}, ALL_NATIVES)
     assert not v.ok and "can only be checked on an sm120 GPU" in v.reason
     caps._probe_cache.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# SM120 / SM121: rows gated by what the installed DeepGEMM library contains
+# ----------------------------------------------------------------------------------------------
+
+SM120_KERNELS = frozenset({"sm120_fp8_mqa_logits", "sm120_paged_mqa_logits_metadata", "sm120_fp8_paged_mqa_logits",
+                           "sm120_tf32_hc_prenorm_gemm", "sm90_fp8_mqa_logits", "sm100_mqa_logits"})
+
+
+def _dg_lib(kernels=SM120_KERNELS, limits=None, version="2.8.1") -> dict[str, NativeStatus]:
+    library = caps.LibraryInfo("/x/_C.so", frozenset(kernels), dict(limits or {}))
+    return {**ALL_NATIVES, "deep_gemm": NativeStatus("deep_gemm", True, version, library=library)}
+
+
+PAGED = {"head_dim": 128, "next_n": 1, "context_lens_2d": True}
+
+
+@pytest.mark.parametrize(("arch", "heads", "ok", "padded"), [
+    ("sm120", 16, True, {"num_heads": 32}),       # nsa-backend's own deep_gemm route pads with zero heads
+    ("sm120", 32, True, {}),
+    ("sm121", 64, True, {}),
+    ("sm120", 128, False, {}),
+])
+def test_deep_gemm_sm120_heads_from_library(arch, heads, ok, padded):
+    for op, extra in (("fp8_mqa_logits", {}), ("fp8_paged_mqa_logits", {**PAGED, "page_size": 64})):
+        verdict = evaluate(op, "deep_gemm", arch, {"num_heads": heads, "head_dim": 128, **extra}, _dg_lib())
+        assert verdict.ok == ok, verdict.reason
+        assert dict(verdict.padded) == padded
+        if ok:
+            assert "sm120_" in verdict.reason and "_C.so" in verdict.reason
+
+
+def test_deep_gemm_sm120_missing_kernel_and_library_limits_say_why():
+    features = {"num_heads": 64, **PAGED, "page_size": 64}
+    v = evaluate("fp8_paged_mqa_logits", "deep_gemm", "sm120", features,
+                 _dg_lib(SM120_KERNELS - {"sm120_fp8_paged_mqa_logits"}))
+    assert not v.ok and "library has no sm120_fp8_paged_mqa_logits kernel" in v.reason
+    # A build stating block_kv 64 only (sgl-deep-gemm 0.2.3) refuses 32-token pages; one stating 32 or 64 takes them.
+    v = evaluate("fp8_paged_mqa_logits", "deep_gemm", "sm120", {**features, "page_size": 32},
+                 _dg_lib(limits={"sm120.paged_block_kv": (64,)}))
+    assert not v.ok and "page_size=32 is not in {64}, which the installed deep_gemm library states" in v.reason
+    assert evaluate("get_paged_mqa_logits_metadata", "deep_gemm", "sm120", {"page_size": 32},
+                    _dg_lib(limits={"sm120.paged_block_kv": (32, 64)})).ok
+    assert not evaluate("fp8_paged_mqa_logits", "deep_gemm", "sm120", {**features, "page_size": 128}, _dg_lib()).ok
+    assert not evaluate("fp8_mqa_logits", "deep_gemm", "sm120", {"num_heads": 64, "head_dim": 64}, _dg_lib()).ok
+
+
+@pytest.mark.parametrize(("n", "k", "ok"), [(24, 16384, True), (128, 64, True), (20, 16384, False),
+                                            (136, 16384, False), (24, 100, False)])
+def test_deep_gemm_sm120_hc_prenorm_limits(n, k, ok):
+    assert evaluate("tf32_hc_prenorm_gemm", "deep_gemm", "sm120", {"n": n, "k": k}, _dg_lib()).ok == ok
+
+
+def test_deep_gemm_sm120_without_library_follows_the_documented_release():
+    assumed = evaluate("fp8_mqa_logits", "deep_gemm", "sm120", {"num_heads": 64, **IDX}, _dg("2.8.1"))
+    assert assumed.ok and "assumed: deep_gemm >= 2.8" in assumed.reason
+    older = evaluate("fp8_mqa_logits", "deep_gemm", "sm120", {"num_heads": 64, **IDX}, _dg("2.6.1"))
+    assert not older.ok and "builds from 2.8 have it" in older.reason
+
+
+def _fake_library(tmp_path, *strings: bytes, name: str = "_C.so"):
+    (tmp_path / name).write_bytes(b"\x7fELF\x00" + b"\x00".join(strings) + b"\x00")
+    return caps.read_deep_gemm_library(str(tmp_path))
+
+
+@pytest.mark.parametrize(("clause", "expected"), [
+    (b"(arch_major == 12 and (block_kv == 32 or block_kv == 64))", (32, 64)),
+    (b"(arch_major == 12 and block_kv == 64) or (arch_major == 9 and block_kv == 64)", (64,)),
+    (b"(arch_major == 12 and ((is_fp4 and (block_kv == 32 or block_kv == 64)) or (not is_fp4 and block_kv == 64)))",
+     (64,)),
+])
+def test_read_deep_gemm_library(tmp_path, clause, expected):
+    assert caps.read_deep_gemm_library(str(tmp_path)) is None
+    lib = _fake_library(tmp_path, b"sm120_fp8_mqa_logits", b"_ZN9deep_gemm13SM120ArchSpec",
+                        b"(arch_major == 10 and (block_kv == 32 or block_kv == 128)) or " + clause,
+                        b"sm90_fp8_paged_mqa_logits", name="_C_extension.abi3.so")
+    assert lib.kernels == {"sm120_fp8_mqa_logits", "sm90_fp8_paged_mqa_logits"}
+    assert lib.limits == {"sm120.paged_block_kv": expected}
+    assert "kernels for sm90, sm120" in lib.describe()
+
+
+def test_read_deep_gemm_library_without_sm120():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from pathlib import Path
+
+        lib = _fake_library(Path(tmp), b"sm90_fp8_mqa_logits", b"sm100_mqa_logits")
+        v = evaluate("fp8_mqa_logits", "deep_gemm", "sm120", {"num_heads": 64, **IDX},
+                     {"deep_gemm": NativeStatus("deep_gemm", True, "2.6.0", library=lib)})
+        assert not v.ok and "no sm120_fp8_mqa_logits kernel" in v.reason and "kernels for sm90, sm100" in v.reason
+
+
+def _installed_deep_gemm_dirs() -> list[str]:
+    """Directories of the DeepGEMM builds installed next to this interpreter (sgl-deep-gemm in the
+    SGLang environment, the copy inside the vLLM wheel in the vLLM ones), located without importing."""
+    import importlib.util
+    import os
+
+    found = []
+    for top, sub in (("deep_gemm", ()), ("vllm", ("third_party", "deep_gemm"))):
+        spec = importlib.util.find_spec(top)
+        if spec is not None and spec.submodule_search_locations:
+            path = os.path.join(next(iter(spec.submodule_search_locations)), *sub)
+            if caps.read_deep_gemm_library(path) is not None:
+                found.append(path)
+    return found
+
+
+def test_installed_deep_gemm_libraries_have_sm120_rows():
+    """The real builds of the framework environments: SM120 kernels found in the library, the page
+    sizes they state, and the SM120 rows they enable (a fake library covers environments without one)."""
+    dirs = _installed_deep_gemm_dirs()
+    if not dirs:
+        pytest.skip("no DeepGEMM build installed in this environment (covered by test_read_deep_gemm_library)")
+    for path in dirs:
+        lib = caps.read_deep_gemm_library(path)
+        version = caps.package_version_in(path)
+        assert {"sm120_fp8_mqa_logits", "sm120_fp8_paged_mqa_logits", "sm120_paged_mqa_logits_metadata",
+                "sm120_tf32_hc_prenorm_gemm"} <= lib.kernels, path
+        assert lib.limits["sm120.paged_block_kv"] in ((64,), (32, 64)), path
+        natives = {"deep_gemm": NativeStatus("deep_gemm", True, version, library=lib)}
+        for heads, ok in ((16, True), (32, True), (64, True), (128, False)):
+            v = evaluate("fp8_paged_mqa_logits", "deep_gemm", "sm120", {"num_heads": heads, **PAGED, "page_size": 64},
+                         natives)
+            assert v.ok == ok and (dict(v.padded) == {"num_heads": 32}) == (heads == 16), (path, heads, v.reason)
+        page32 = evaluate("get_paged_mqa_logits_metadata", "deep_gemm", "sm120", {"page_size": 32}, natives)
+        assert page32.ok == (32 in lib.limits["sm120.paged_block_kv"]), page32.reason
+        assert evaluate("tf32_hc_prenorm_gemm", "deep_gemm", "sm121", {"n": 24, "k": 16384}, natives).ok
