@@ -417,6 +417,20 @@ class NsaSparseMLAImpl(MLAAttentionImpl[NsaSparseMLAMetadata]):
         self._indexer = None
         self._topk_indices_buffer = buffer
 
+    # vLLM's MLA layer asks an impl whether its masked-MHA prefill fits; nsa-backend has none (the
+    # metadata's ``prefill`` is ``None``, so vLLM checks neither today).
+    masked_mha_available: bool = False
+
+    @staticmethod
+    def masked_mha_workspace_fits(prefill: Any) -> bool:
+        """Whether a masked dense-MHA prefill fits its workspace: never, there is no such prefill."""
+        return False
+
+    def get_fp8_ds_mla_row_bytes(self) -> int:
+        """Bytes of one fp8_ds_mla cache row, which vLLM (0.34 and later) sizes the cache with: the
+        656-byte layout of the module docstring (the rope-free 528-byte row is not supported)."""
+        return FP8_DS_MLA_BYTES
+
     def record_logical_topk_ready(self) -> None:
         """Called by vLLM's DSA layer once the indexer has written the top-k buffer (nothing to do)."""
 

@@ -19,6 +19,7 @@ Where it is disabled the class behaves exactly like vLLM's op.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from typing import Any
@@ -29,8 +30,8 @@ from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 from vllm.utils.torch_utils import direct_register_custom_op
 
 import nsa_backend
-from nsa_backend_integrations.vllm.config import announce_model, deep_gemm_has_kernels
-from nsa_backend_integrations.vllm.indexer_ops import run_indexer
+from nsa_backend_integrations.vllm.config import announce_model, deep_gemm_has_kernels, deep_gemm_serves_indexer
+from nsa_backend_integrations.vllm.indexer_ops import check_logits_dtype, run_indexer
 
 logger = logging.getLogger("nsa_backend.vllm")
 
@@ -49,15 +50,37 @@ def set_mode(mode: str) -> None:
     _mode = mode
 
 
-def enabled_for_current_device() -> bool:
-    """Whether an indexer built now runs on nsa-backend (``indexer`` setting and this process's GPU)."""
+def enabled_for_current_device(num_heads: int | None = None, head_dim: int = 128, page_size: int = 64) -> bool:
+    """Whether an indexer built now runs on nsa-backend (``indexer`` setting and this process's GPU).
+
+    ``auto``: where the DeepGEMM vLLM loads does not serve a layer of ``num_heads`` index heads of
+    ``head_dim`` over ``page_size``-token blocks on this GPU (``num_heads=None``: where it has no
+    indexer kernel for the GPU at all).
+    """
     if _mode == "on":
         return True
     if _mode == "off":
         return False
     from nsa_backend.routing import detect_arch
 
-    return not deep_gemm_has_kernels(detect_arch())
+    arch = detect_arch()
+    if num_heads is None:
+        return not deep_gemm_has_kernels(arch)
+    served, why = deep_gemm_serves_indexer(arch, int(num_heads), int(head_dim), int(page_size))
+    logger.debug("nsa-backend indexer, %d heads on %s: %s (%s)", num_heads, arch,
+                 "vLLM's DeepGEMM" if served else "nsa-backend", why)
+    return not served
+
+
+def _layer_index_heads() -> int | None:
+    """Index heads of the model being built (``index_n_heads``; vLLM replicates the indexer on
+    every rank), ``None`` outside a model config."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    hf_config = getattr(getattr(config, "model_config", None), "hf_text_config", None)
+    heads = getattr(hf_config, "index_n_heads", None)
+    return int(heads) if heads else None
 
 
 def _mx_scaled_k_cache() -> bool:
@@ -110,13 +133,50 @@ def nsa_sparse_attn_indexer(
     candidate_block_size: int = 0,
     candidate_write: bool = False,
     topk_backend: str = "auto",
+    logits_dtype: torch.dtype = torch.float32,
+    dcp_direct_topk_max_rows: int = 0,
 ) -> torch.Tensor:
-    """Drop-in for vLLM's ``sparse_attn_indexer`` function (same parameters) on nsa-backend ops.
+    """Drop-in for vLLM's ``sparse_attn_indexer`` function on nsa-backend ops.
 
-    Reads the layer's ``DeepseekV32IndexerMetadata`` from vLLM's forward context, writes the
-    indexer keys of this step (unless ``skip_k_cache_insert``) and fills ``topk_indices_buffer``
-    rows ``[0, T)`` with per-request positions. Returns ``topk_indices_buffer``.
+    The parameters are those of vLLM 0.34's function, a superset of 0.33's (which lacks
+    ``logits_dtype`` and ``dcp_direct_topk_max_rows``). Reads the layer's
+    ``DeepseekV32IndexerMetadata`` from vLLM's forward context, writes the indexer keys of this
+    step (unless ``skip_k_cache_insert``) and fills ``topk_indices_buffer`` rows ``[0, T)`` with
+    per-request positions.
+
+    Parameters
+    ----------
+    hidden_states : torch.Tensor
+        ``[T_padded, hidden]``; only its row count is read (rows cleared in the buffer).
+    q_quant : torch.Tensor
+        ``[T, H, D]`` e4m3 index queries, the q scale folded into ``weights``.
+    k : torch.Tensor, optional
+        ``[T, D]`` index keys of this step (needed unless ``skip_k_cache_insert``).
+    weights : torch.Tensor
+        ``[T, H]`` per-head weights.
+    topk_indices_buffer : torch.Tensor
+        ``[max_tokens, >= topk_tokens]`` int32, written in place.
+    skip_k_cache_insert, skip_topk_buffer_clear, dense_mha_metadata_layer_name
+        Honoured as in vLLM (the fused layer writes the keys and clears the rows itself; a batch
+        that the attention layer serves by dense MHA gets no top-k).
+    logits_dtype : torch.dtype
+        Dtype the index scores are produced in before the top-k: ``torch.float32`` or
+        ``torch.bfloat16`` (``ValueError`` naming the value otherwise).
+    use_fp4_cache, q_scale, use_pcp, dcp_world_size > 1, candidate_blocks
+        Not supported: ``NotImplementedError`` (such layers keep vLLM's indexer).
+    topk_backend, dcp_direct_topk_max_rows, dcp_rank, cp_kv_cache_interleave_size
+        Accepted and ignored (see below).
+    pcp_shard_decode_requests, candidate_block_size, candidate_write, total_seq_lens
+        Accepted and ignored: they pick a vLLM-internal top-k kernel or only take effect with
+        context parallelism or candidate blocks, which are refused above (``total_seq_lens`` sizes
+        the profiling run's reservation).
+
+    Returns
+    -------
+    torch.Tensor
+        ``topk_indices_buffer``.
     """
+    check_logits_dtype(logits_dtype)
     unsupported = [
         name
         for name, used in (
@@ -167,6 +227,7 @@ def nsa_sparse_attn_indexer(
         topk_indices_buffer=topk_indices_buffer,
         insert_k=not skip_k_cache_insert,
         clear_buffer=False,
+        logits_dtype=logits_dtype,
     )
 
 
@@ -185,6 +246,8 @@ def _indexer_op(
     total_seq_lens: int,
     topk_indices_buffer: torch.Tensor,
     skip_k_cache_insert: bool,
+    skip_topk_buffer_clear: bool,
+    logits_dtype: torch.dtype,
 ) -> None:
     nsa_sparse_attn_indexer(
         hidden_states,
@@ -202,6 +265,8 @@ def _indexer_op(
         total_seq_lens,
         topk_indices_buffer,
         skip_k_cache_insert,
+        skip_topk_buffer_clear=skip_topk_buffer_clear,
+        logits_dtype=logits_dtype,
     )
 
 
@@ -228,11 +293,18 @@ def register_torch_op() -> None:
 
 
 def _paged_mqa_logits_metadata(
-    context_lens: torch.Tensor, block_kv: int, num_sms: int, *args: Any, **kwargs: Any
+    context_lens: torch.Tensor, block_size: int, num_sms: int, indices: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """vLLM's indexer builder calls DeepGEMM's schedule function; nsa-backend's routed one replaces it."""
+    """vLLM's indexer builder calls DeepGEMM's schedule function; nsa-backend's routed one replaces it.
+
+    Same parameters as ``vllm.utils.deep_gemm.get_paged_mqa_logits_metadata``. ``context_lens`` is
+    ``[B, next_n]`` (or ``[B]``) int32; the schedule splits those rows' keys over ``num_sms`` workers
+    and is read only by nsa-backend's paged logits. ``indices`` (the request of each row where
+    vLLM expands decode rows one per token) is ignored: the rows are already one per token and the
+    schedule depends only on their context lengths.
+    """
     return nsa_backend.get_paged_mqa_logits_metadata(
-        context_lens.to(torch.int32).contiguous(), int(block_kv), int(num_sms)
+        context_lens.to(torch.int32).contiguous(), int(block_size), int(num_sms)
     )
 
 
@@ -277,15 +349,26 @@ def install_module_patches() -> dict[str, Any]:
 
 def _nsa_or_vllm_forward(name: str) -> Any:
     """``SparseAttnIndexer.<name>`` that runs :meth:`NsaSparseAttnIndexer._nsa_forward` where the
-    layer is enabled and vLLM's method of that name otherwise."""
+    layer is enabled and vLLM's method of that name otherwise.
 
-    def forward(self, hidden_states, q_quant, k, weights):
+    It has the signature of vLLM's method (that of ``forward_native`` where vLLM's takes only
+    ``*args, **kwargs``), parameter names included, so a call by keyword reaches the same argument.
+    """
+    vllm_method = getattr(SparseAttnIndexer, name)
+    signature = inspect.signature(vllm_method)
+    if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in list(signature.parameters.values())[1:]):
+        signature = inspect.signature(SparseAttnIndexer.forward_native)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.nsa_enabled:
+            # (hidden_states, q_quant, k, weights), whatever vLLM names them.
+            hidden_states, q_quant, k, weights = list(signature.bind(self, *args, **kwargs).arguments.values())[1:5]
             return self._nsa_forward(hidden_states, q_quant, k, weights)
-        return getattr(super(NsaSparseAttnIndexer, self), name)(hidden_states, q_quant, k, weights)
+        return getattr(super(NsaSparseAttnIndexer, self), name)(*args, **kwargs)
 
     forward.__name__ = name
     forward.__qualname__ = f"NsaSparseAttnIndexer.{name}"
+    forward.__signature__ = signature  # type: ignore[attr-defined]
     return forward
 
 
@@ -299,7 +382,7 @@ class NsaSparseAttnIndexer(SparseAttnIndexer):
             # vLLM refuses to build its CUDA op without DeepGEMM, after storing the layer's fields.
             if "DeepGEMM" not in str(exc) or not enabled_for_current_device():
                 raise
-        self.nsa_enabled = enabled_for_current_device()
+        self.nsa_enabled = enabled_for_current_device(_layer_index_heads(), self.head_dim)
         unsupported = [
             name
             for name, used in (
@@ -345,6 +428,8 @@ class NsaSparseAttnIndexer(SparseAttnIndexer):
             self.max_total_seq_len,
             self.topk_indices_buffer,
             self.skip_k_cache_insert,
+            bool(getattr(self, "skip_topk_buffer_clear", False)),
+            getattr(self, "logits_dtype", torch.float32),
         )
         return self.topk_indices_buffer
 

@@ -20,7 +20,7 @@ from vllm.config.compilation import CompilationConfig  # noqa: E402
 
 import nsa_backend  # noqa: E402
 from nsa_backend_integrations.vllm import indexer as nsa_indexer  # noqa: E402
-from nsa_backend_integrations.vllm import mhc, plugin  # noqa: E402
+from nsa_backend_integrations.vllm import plugin  # noqa: E402
 from tests.integrations import vllm_fixtures as vf  # noqa: E402
 
 PAGE = 64
@@ -345,6 +345,55 @@ def test_module_level_indexer_function_matches(dsa_indexer, vllm_config):
     batch.check(buffer)
 
 
+def _call_v32_indexer(batch, vllm_config, buffer, **extra):
+    """vLLM 0.34's fused-layer call of the module-level indexer (keys cached, buffer cleared)."""
+    from vllm.forward_context import set_forward_context
+
+    v32 = sys.modules["vllm.models.deepseek_v32.attention"]
+    T = batch.q.shape[0]
+    with set_forward_context({PREFIX + ".k_cache": batch.metadata}, vllm_config):
+        v32.sparse_attn_indexer(
+            torch.zeros(T, 128), PREFIX + ".k_cache", batch.cache, batch.q, None, None, batch.weights,
+            HEAD_DIM, "ue8m0", TOPK, HEAD_DIM, 4096, 4096, buffer,
+            skip_k_cache_insert=True, use_pcp=False, pcp_shard_decode_requests=False,
+            dense_mha_metadata_layer_name="", dcp_rank=0, dcp_world_size=1, cp_kv_cache_interleave_size=1,
+            skip_topk_buffer_clear=True, topk_backend="auto", **extra,
+        )
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_module_level_indexer_ranks_logits_in_logits_dtype(dsa_indexer, vllm_config, monkeypatch, logits_dtype):
+    """``logits_dtype`` (vLLM 0.34's keyword): the top-k ranks scores produced in that dtype."""
+    batch = Batch([1, 1], decode_context=[3, 200], prefill_context=[10], prefill_new=[7], seed=11)
+    for t, (r, p) in enumerate(zip(batch.token_req, batch.token_pos)):
+        kq, ks = quantise(batch.k_new[t : t + 1])
+        write_page_wise(batch.cache, batch.slot(r, p), kq[0], float(ks[0]))
+    ranked = []
+    topk = nsa_backend.topk_indices
+
+    def recording_topk(logits, *args, **kwargs):
+        ranked.append(logits.clone())
+        return topk(logits, *args, **kwargs)
+
+    monkeypatch.setattr(nsa_backend, "topk_indices", recording_topk)
+    buffer = torch.full((64, TOPK), -1, dtype=torch.int32)
+    _call_v32_indexer(batch, vllm_config, buffer, logits_dtype=logits_dtype, dcp_direct_topk_max_rows=0)
+    assert len(ranked) == 2  # one prefill chunk, one decode batch
+    finite = torch.cat([x[torch.isfinite(x)] for x in ranked])
+    in_bf16 = torch.equal(finite, finite.to(torch.bfloat16).float())
+    assert in_bf16 == (logits_dtype == torch.bfloat16), f"scores ranked in {logits_dtype}: bf16-exact={in_bf16}"
+    if logits_dtype == torch.float32:
+        batch.check(buffer)
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float16, "float32"])
+def test_module_level_indexer_refuses_other_logits_dtypes(dsa_indexer, vllm_config, logits_dtype):
+    batch = Batch([1], decode_context=[3], prefill_context=[], prefill_new=[], seed=3)
+    buffer = torch.full((64, TOPK), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"logits_dtype={logits_dtype!r}"):
+        _call_v32_indexer(batch, vllm_config, buffer, logits_dtype=logits_dtype)
+
+
 def test_indexer_builder_schedule_comes_from_nsa_backend(dsa_indexer):
     builder_module = sys.modules["vllm.v1.attention.backends.mla.indexer"]
     seq_lens = torch.tensor([[71], [131], [5]], dtype=torch.int32)
@@ -391,28 +440,3 @@ def test_hc_prenorm_gemm_routed_to_nsa_backend(vllm_config, num_split):
     torch.testing.assert_close(
         sqrsum.sum(0), x.double().square().sum(-1), atol=1e-3, rtol=1e-4, check_dtype=False
     )
-
-
-@pytest.mark.parametrize(
-    "arch, mode, uses_nsa",
-    [
-        ("sm120", "auto", True),
-        ("sm121", "auto", True),
-        ("sm89", "auto", True),
-        ("sm80", "auto", True),
-        ("sm90", "auto", False),
-        ("sm100", "auto", False),
-        ("sm90", "on", True),
-    ],
-)
-def test_hc_prenorm_gemm_keeps_deep_gemm_where_it_has_kernels(monkeypatch, arch, mode, uses_nsa):
-    import nsa_backend.routing
-
-    monkeypatch.setattr(nsa_backend.routing, "detect_arch", lambda device=None: arch)
-    calls = []
-    routed = mhc.make_routed(lambda *args: calls.append(args), mode)
-    monkeypatch.setattr(mhc, "_use_nsa", lambda m, device, _f=mhc._use_nsa: _f(m, torch.device("cuda", 0)))
-    x, fn = torch.randn(2, 64).to(torch.bfloat16), torch.randn(8, 64)
-    out, sqrsum = torch.empty(2, 8), torch.empty(2)
-    routed(x, fn, out, sqrsum, 1)
-    assert (len(calls) == 0) == uses_nsa

@@ -323,15 +323,30 @@ def test_takeover_off_by_default(loaded, monkeypatch, restore_overrides):
     assert not AttentionBackendEnum.FLASHMLA_SPARSE.is_overridden()
 
 
-@pytest.mark.parametrize("arch, expected", [
-    ("sm120", (True, True)), ("sm121", (True, True)), ("sm89", (True, True)), ("sm80", (True, True)),
-    ("sm90", (False, False)), ("sm100", (False, False)), ("sm103", (False, False)), (None, (True, True)),
-])
-def test_auto_replacements_leave_deep_gemm_gpus_alone(arch, expected):
-    assert plugin.planned_replacements(VllmSettings(), arch) == expected
+@pytest.mark.parametrize("arch", ["sm120", "sm121", "sm89", "sm80", "sm90", "sm100", "sm103", None])
+def test_auto_replacements_install_and_decide_per_shape(arch):
+    """``auto`` installs both replacements on every GPU; the shape decides per layer / call."""
+    assert plugin.planned_replacements(VllmSettings(), arch) == (True, True)
     forced = VllmSettings(indexer="on", hc_prenorm="on")
     assert plugin.planned_replacements(forced, arch) == (True, True)
     assert plugin.planned_replacements(VllmSettings(indexer="off", hc_prenorm="off"), arch) == (False, False)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100", "sm120", "sm89", "sm80"])
+@pytest.mark.parametrize("heads", [64, 16])
+def test_auto_indexer_layer_keeps_deep_gemm_where_it_serves_the_shape(monkeypatch, arch, heads):
+    """An indexer layer runs on nsa-backend in ``auto`` exactly where vLLM's DeepGEMM does not serve
+    its head count on this GPU (``config.deep_gemm_serves_indexer``)."""
+    import nsa_backend.routing
+    from nsa_backend_integrations.vllm import config
+    from nsa_backend_integrations.vllm import indexer as nsa_indexer
+
+    monkeypatch.setattr(nsa_backend.routing, "detect_arch", lambda device=None: arch)
+    monkeypatch.setattr(nsa_indexer, "_mode", "auto")
+    served, _ = config.deep_gemm_serves_indexer(arch, heads, 128, 64)
+    assert nsa_indexer.enabled_for_current_device(heads, 128, 64) == (not served)
+    if arch in ("sm89", "sm80"):
+        assert nsa_indexer.enabled_for_current_device(heads, 128, 64)
 
 
 def test_settings_from_config_file_and_environment(tmp_path, monkeypatch):
