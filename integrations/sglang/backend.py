@@ -43,13 +43,16 @@ from nsa_backend_integrations.sglang.metadata import (
     ragged_key_slots,
     to_sparse_attn_metadata,
 )
-from nsa_backend_integrations.sglang.settings import check_impl_choice
+from nsa_backend_integrations.sglang.rope import apply_rope
+from nsa_backend_integrations.sglang.settings import check_impl_choice, check_resolved_layout
 
 logger = logging.getLogger("nsa_backend.sglang")
 
 # Implementations whose sparse MLA runs on the paged cache only (FlashInfer's SM120 / trtllm-gen
 # kernels): prefill batches are described one decode row per query token.
 PAGED_ONLY_IMPLS: frozenset[str] = frozenset({"flashinfer"})
+# Bytes per token of the scaled FP8 MLA cache (512 e4m3 + 4 fp32 scales + 64 bf16 rope).
+FP8_DS_MLA_BYTES = 656
 
 
 def topk_transform(
@@ -153,7 +156,12 @@ def paged_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
 
 def _nsa_or_sglang_forward(name: str) -> Any:
     """SGLang's ``forward_extend`` / ``forward_decode`` (``name``) on nsa-backend where the phase has an
-    nsa-backend implementation and the layer passes top-k indices; SGLang's own method otherwise."""
+    nsa-backend implementation and the layer passes top-k indices; SGLang's own method otherwise.
+
+    Every argument SGLang's model code passes is honoured: ``cos_sin_cache`` / ``is_neox`` (the fused
+    RoPE of ``_fuse_rope_for_trtllm_mla``: the model left ``q_rope`` / ``k_rope`` unrotated) rotate
+    both with ``forward_batch.positions`` before attention and before the cache write; SGLang's own
+    kernels get them unchanged."""
 
     def forward(
         self,
@@ -189,7 +197,20 @@ def _nsa_or_sglang_forward(name: str) -> Any:
                 attn_sink,
             )
         return self._forward_nsa(
-            q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, topk_indices, attn_sink, impl
+            q,
+            k,
+            v,
+            layer,
+            forward_batch,
+            save_kv_cache,
+            q_rope,
+            k_rope,
+            topk_indices,
+            attn_sink,
+            impl,
+            cos_sin_cache=cos_sin_cache,
+            is_neox=bool(is_neox),
+            llama_4_scaling=llama_4_scaling,
         )
 
     forward.__name__ = name
@@ -206,8 +227,12 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
         self.configure(
             model_arch=model_runner.model_config.hf_config.architectures[0],
             kv_cache_dtype=str(getattr(model_runner, "kv_cache_dtype", "auto")),
+            # The user's flags are the raw fields; SGLang's base class read its resolved choices
+            # (get_exec().kernel) into dsa_prefill_impl / dsa_decode_impl.
             prefill_flag=getattr(server_args, "dsa_prefill_backend", None),
             decode_flag=getattr(server_args, "dsa_decode_backend", None),
+            resolved=(getattr(self, "dsa_prefill_impl", None), getattr(self, "dsa_decode_impl", None)),
+            disaggregation_mode=getattr(server_args, "disaggregation_mode", None),
         )
 
     def configure(
@@ -218,8 +243,14 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
         prefill_flag: str | None = None,
         decode_flag: str | None = None,
         device_arch: str | None = None,
+        resolved: tuple[str | None, str | None] = (None, None),
+        disaggregation_mode: str | None = None,
     ) -> None:
-        """Check and apply the implementation choice (also usable on a bare instance)."""
+        """Check and apply the implementation choice (also usable on a bare instance).
+
+        ``resolved``: SGLang's resolved ``(dsa_prefill_backend, dsa_decode_backend)``, which decided
+        the pool's FP8 layout; ``prefill_flag`` / ``decode_flag``: the user's raw flags.
+        """
         kv = "fp8_e4m3" if "float8" in kv_cache_dtype or "fp8" in kv_cache_dtype else "bfloat16"
         store_fp8 = bool(getattr(self, "dsa_kv_cache_store_fp8", False))
         if kv == "fp8_e4m3" and not store_fp8:
@@ -238,7 +269,19 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
         self.nsa_choices = check_impl_choice(
             model_arch, kv, prefill_flag, decode_flag, device_arch=device_arch
         )
+        check_resolved_layout(kv, resolved, self.nsa_choices, disaggregation_mode)
         prefill_choice, decode_choice = self.nsa_choices
+        kv_dim = getattr(self, "kv_cache_dim", None)
+        if (
+            kv == "fp8_e4m3"
+            and kv_dim is not None
+            and kv_dim != FP8_DS_MLA_BYTES
+            and (CHOICE_TO_IMPL.get(prefill_choice) is not None or CHOICE_TO_IMPL.get(decode_choice) is not None)
+        ):
+            raise ValueError(
+                f"nsa-backend's SGLang backend reads the fp8_ds_mla cache ({FP8_DS_MLA_BYTES} B/token); "
+                f"SGLang allocated {kv_dim} B/token rows (TRT-LLM's raw FP8 layout)"
+            )
         # Our implementation name per phase; None: the phase runs SGLang's kernel of that name.
         self.nsa_prefill_impl = CHOICE_TO_IMPL.get(prefill_choice)
         self.nsa_decode_impl = CHOICE_TO_IMPL.get(decode_choice)
@@ -356,8 +399,30 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
         return paged_view(self.token_to_kv_pool.get_key_buffer(layer.layer_id), page_size)
 
     def _forward_nsa(
-        self, q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, topk_indices, attn_sink, impl: str
+        self,
+        q,
+        k,
+        v,
+        layer,
+        forward_batch,
+        save_kv_cache,
+        q_rope,
+        k_rope,
+        topk_indices,
+        attn_sink,
+        impl: str,
+        *,
+        cos_sin_cache: torch.Tensor | None = None,
+        is_neox: bool = False,
+        llama_4_scaling: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if llama_4_scaling is not None:
+            raise ValueError(
+                "llama_4_scaling: nsa-backend's SGLang backend serves DSA models, which have no Llama-4 "
+                "query scaling; got a tensor"
+            )
+        if cos_sin_cache is not None:
+            q_rope, k_rope = self._fused_rope(forward_batch, q_rope, k_rope, cos_sin_cache, is_neox)
         if k is not None and save_kv_cache:
             self._write_kv(layer, forward_batch.out_cache_loc, k, k_rope)
         heads = layer.tp_q_head_num
@@ -393,6 +458,24 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
         if total > n:  # DP / graph padding rows
             out = torch.cat([out, out.new_zeros(total - n, *out.shape[1:])])
         return out
+
+    def _fused_rope(self, forward_batch, q_rope, k_rope, cos_sin_cache: torch.Tensor, is_neox: bool):
+        """RoPE the model left to the backend (SGLang's fused path), on ``forward_batch.positions``."""
+        if q_rope is None or k_rope is None:
+            raise ValueError(
+                "cos_sin_cache: given without q_rope / k_rope; nsa-backend applies the fused RoPE to the "
+                "separate rope parts SGLang's DeepSeek MLA forward passes"
+            )
+        if getattr(forward_batch, "attn_cp_metadata", None) is not None:
+            raise ValueError(
+                "cos_sin_cache: fused RoPE of a context-parallel prefill shard is not supported "
+                "(nsa-backend refuses --enable-prefill-cp at startup)"
+            )
+        positions = forward_batch.positions
+        return (
+            apply_rope(q_rope, positions, cos_sin_cache, is_neox),
+            apply_rope(k_rope, positions, cos_sin_cache, is_neox),
+        )
 
     def _phase_impl(self, name: str, forward_batch) -> str | None:
         """nsa-backend implementation for SGLang's ``forward_extend`` / ``forward_decode`` of this

@@ -638,3 +638,89 @@ def test_multi_step_draft_backend_builds_our_steps(monkeypatch):
     assert [m["speculative_step_id"] for m in made] == [0, 1, 2]
     assert all(m["topk"] == 1 and m["speculative_num_steps"] == 4 for m in made)
     assert all(m["seed_dsa_topk_from_draft_extend"] for m in made)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused RoPE: the model leaves q_pe / k_pe unrotated and passes cos_sin_cache / is_neox
+# ---------------------------------------------------------------------------------------------
+
+
+def _rope_by_complex(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, is_neox: bool):
+    """Rotation written as complex multiplication: pair (a, b) -> (a + ib) * exp(i * pos * freq)."""
+    half = x.shape[-1] // 2
+    xf = x.double()
+    a, b = (xf[..., :half], xf[..., half:]) if is_neox else (xf[..., 0::2], xf[..., 1::2])
+    angle = positions.double()[:, None] * inv_freq.double()[None, :]
+    angle = angle.view(angle.shape[0], *([1] * (x.dim() - 2)), half)
+    z = torch.complex(a, b) * torch.polar(torch.ones_like(angle), angle)
+    if is_neox:
+        return torch.cat([z.real, z.imag], -1)
+    return torch.stack([z.real, z.imag], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("is_neox", [False, True], ids=["gptj", "neox"])
+def test_apply_rope_matches_complex_rotation(is_neox):
+    from nsa_backend_integrations.sglang.rope import apply_rope
+
+    gen = torch.Generator().manual_seed(3)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D_ROPE, 2, dtype=torch.float64) / D_ROPE))
+    t = torch.arange(300, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cache = torch.cat([t.cos(), t.sin()], -1).float()  # SGLang's layout: cos half, then sin half
+    positions = torch.randint(0, 300, (9,), generator=gen)
+    x = torch.randn(9, HEADS, D_ROPE, generator=gen)
+    got = apply_rope(x, positions, cache, is_neox)
+    assert torch.allclose(got.double(), _rope_by_complex(x, positions, inv_freq, is_neox), atol=1e-5)
+    # the other pairing convention gives another answer: the flag is honoured
+    assert not torch.allclose(got.double(), _rope_by_complex(x, positions, inv_freq, not is_neox), atol=1e-2)
+    with pytest.raises(ValueError, match="cos_sin_cache: expected"):
+        apply_rope(x, positions, cache[:, :32], is_neox)
+    with pytest.raises(ValueError, match="positions: expected at least 9"):
+        apply_rope(x, positions[:4], cache, is_neox)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_fused_rope_is_applied_before_attention_and_cache_write(mode, monkeypatch):
+    """``cos_sin_cache`` / ``is_neox`` as SGLang's model passes them (its rotary module, unrotated rope
+    parts) give the output and cache of the same batch rotated by SGLang's own ``forward_native``."""
+    from sglang.srt.layers.rotary_embedding import base as rotary_base
+
+    monkeypatch.setattr(rotary_base, "_is_cpu", True)  # its CPU path (no vLLM / sgl-kernel op)
+    rotary = rotary_base.RotaryEmbedding(D_ROPE, D_ROPE, 512, 10000, False, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    _, lens, ext = BATCHES[mode]
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(lens, ext)])
+    T = len(positions)
+    k_nope = torch.randn(T, 1, D_V, generator=gen).to(torch.bfloat16)
+    k_rope = torch.randn(T, 1, D_ROPE, generator=gen).to(torch.bfloat16)
+    q_nope = torch.randn(T, HEADS, D_V, generator=gen).to(torch.bfloat16)
+    q_rope = torch.randn(T, HEADS, D_ROPE, generator=gen).to(torch.bfloat16)
+    layer = SimpleNamespace(
+        layer_id=0, tp_q_head_num=HEADS, v_head_dim=D_V, head_dim=D_QK, scaling=D_QK**-0.5, is_cross_attention=False
+    )
+    q_rot, k_rot = rotary.forward_native(positions, q_rope.float().clone(), k_rope.float().clone())
+
+    def run(q_pe, k_pe, **fused):
+        b, fb = build(mode, fp8=True)
+        fb.positions = positions
+        torch.manual_seed(0)
+        _fill_prefix(b, mode, torch.Generator().manual_seed(7))
+        im = b.get_indexer_metadata(0, fb)
+        logits_gen = torch.Generator().manual_seed(1)
+        if mode == "prefill":
+            ks, ke = b.forward_metadata.indexer_k_start_end
+            topk = im.topk_transform(torch.randn(T, int(ke.max()), generator=logits_gen), TOPK, ks=ks)
+        else:
+            topk = im.topk_transform(torch.randn(T, MAX_CTX, generator=logits_gen), TOPK)
+        call = b.forward_decode if mode == "decode" else b.forward_extend
+        out = call(q_nope, k_nope, k_nope, layer, fb, q_rope=q_pe, k_rope=k_pe, topk_indices=topk, **fused)
+        return out, _cache_rows(b, fb.out_cache_loc)
+
+    fused_out, fused_cache = run(
+        q_rope, k_rope, cos_sin_cache=rotary.cos_sin_cache, is_neox=rotary.is_neox_style, llama_4_scaling=None
+    )
+    ref_out, ref_cache = run(q_rot.to(torch.bfloat16), k_rot.to(torch.bfloat16))
+    assert torch.equal(fused_cache, ref_cache)  # rotated before the FP8 cache write
+    assert torch.allclose(fused_out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
+    unrotated_out, unrotated_cache = run(q_rope, k_rope)  # what dropping the arguments gives
+    assert not torch.equal(unrotated_cache, ref_cache)
+    assert (unrotated_out.float() - ref_out.float()).abs().max() > 0.05
