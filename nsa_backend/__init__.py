@@ -27,6 +27,9 @@ from nsa_backend.mhc import tf32_hc_prenorm_gemm
 # FP8 KV cache packing
 from nsa_backend.quant import pack_fp8_ds_mla, unpack_fp8_ds_mla, write_fp8_ds_mla_cache
 
+# DeepSeek-V4 KV cache packing (584-byte tokens)
+from nsa_backend.quant_v4 import pack_fp8_ds_mla_v4, unpack_fp8_ds_mla_v4, write_fp8_ds_mla_v4_cache
+
 # Sparse MLA attention
 from nsa_backend.sparse_mla import flash_mla_sparse_fwd, sparse_mla_decode
 
@@ -52,10 +55,13 @@ __all__ = [
     "get_paged_mqa_logits_metadata",
     "logical_to_global_indices",
     "pack_fp8_ds_mla",
+    "pack_fp8_ds_mla_v4",
     "pack_indexer_k_cache",
     "sparse_mla_decode",
     "tf32_hc_prenorm_gemm",
     "topk_indices",
     "unpack_fp8_ds_mla",
+    "unpack_fp8_ds_mla_v4",
     "write_fp8_ds_mla_cache",
+    "write_fp8_ds_mla_v4_cache",
 ]

@@ -27,6 +27,7 @@ _TOPK = "nsa_backend.kernels.topk"
 _PREFILL = "nsa_backend.kernels.sparse_mla_prefill"
 _DECODE = "nsa_backend.kernels.sparse_mla_decode"
 _DSMLA = "nsa_backend.kernels.fp8_ds_mla"
+_DSMLA_V4 = "nsa_backend.kernels.fp8_ds_mla_v4"
 _MHC = "nsa_backend.kernels.mhc"
 _DG = "nsa_backend.native.deep_gemm"
 _FMLA = "nsa_backend.native.flash_mla"
@@ -83,6 +84,19 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "write_fp8_ds_mla_cache": {
         "reference": f"{_REF}:write_fp8_ds_mla_cache",
         "triton": f"{_DSMLA}:write_fp8_ds_mla_cache_triton",
+    },
+    # DeepSeek-V4 KV cache (584-byte tokens)
+    "pack_fp8_ds_mla_v4": {
+        "reference": f"{_REF}:pack_fp8_ds_mla_v4",
+        "triton": f"{_DSMLA_V4}:pack_fp8_ds_mla_v4_triton",
+    },
+    "unpack_fp8_ds_mla_v4": {
+        "reference": f"{_REF}:unpack_fp8_ds_mla_v4",
+        "triton": f"{_DSMLA_V4}:unpack_fp8_ds_mla_v4_triton",
+    },
+    "write_fp8_ds_mla_v4_cache": {
+        "reference": f"{_REF}:write_fp8_ds_mla_v4_cache",
+        "triton": f"{_DSMLA_V4}:write_fp8_ds_mla_v4_cache_triton",
     },
     # mHC
     "tf32_hc_prenorm_gemm": {

@@ -420,3 +420,133 @@ def split_bounds(K: int, num_splits: int, align: int = 64) -> list[tuple[int, in
     blocks = K // align
     per = math.ceil(blocks / num_splits)
     return [(min(s * per, blocks) * align, min((s + 1) * per, blocks) * align) for s in range(num_splits)]
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8_ds_mla_v4 (DeepSeek-V4) KV cache: packing and the normalise + rope + quantise write
+# ----------------------------------------------------------------------------------------------
+
+# Token: 448 e4m3 latent ("nope") values and 64 bf16 rope values (576 data bytes), then 7 UE8M0
+# scales (one per 64 latent values) and one zero pad byte (8 scale bytes): 584 bytes. A page of P
+# tokens holds the P data rows first and the P scale rows after them.
+V4_NOPE_DIM = 448
+V4_ROPE_DIM = 64
+V4_HEAD_DIM = V4_NOPE_DIM + V4_ROPE_DIM  # 512
+V4_GROUP = 64
+V4_NUM_SCALES = V4_NOPE_DIM // V4_GROUP  # 7
+V4_DATA_BYTES = V4_NOPE_DIM + 2 * V4_ROPE_DIM  # 576
+V4_SCALE_BYTES = V4_NUM_SCALES + 1  # 8
+V4_TOKEN_BYTES = V4_DATA_BYTES + V4_SCALE_BYTES  # 584
+
+
+def v4_cache_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a block-split V4 cache ``uint8 [num_blocks, P, (1,) 584]`` (``stride(0)`` may be
+    padded): the data rows ``[num_blocks, P, 576]`` and the scale rows ``[num_blocks, P, 8]`` of every
+    token, in token order. Writing into the views writes the cache."""
+    num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+    flat = torch.as_strided(kv_cache, (num_blocks, page * V4_TOKEN_BYTES), (kv_cache.stride(0), 1))
+    data = flat[:, :page * V4_DATA_BYTES].view(num_blocks, page, V4_DATA_BYTES)
+    scales = flat[:, page * V4_DATA_BYTES:].view(num_blocks, page, V4_SCALE_BYTES)
+    return data, scales
+
+
+def ue8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes -> float32 ``2 ** (code - 127)`` (255 is NaN)."""
+    c = codes.to(torch.int32)
+    out = torch.ldexp(torch.ones_like(c, dtype=torch.float32), c - 127)
+    return torch.where(c == 255, torch.full_like(out, float("nan")), out)
+
+
+def _quantise_v4(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 ``[N, 512]`` -> (data ``[N, 576]``, scale rows ``[N, 8]``) uint8."""
+    N = kv.shape[0]
+    nope = kv[:, :V4_NOPE_DIM].float().view(N, V4_NUM_SCALES, V4_GROUP)
+    scale = ds_mla_scales(nope.abs().amax(dim=-1), "pow2")  # [N, 7], 2^ceil(log2(max(amax, 1e-4) / 448))
+    q8 = (nope / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(N, V4_NOPE_DIM)
+    codes = ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)  # biased fp32 exponent = UE8M0 byte
+    rope = kv[:, V4_NOPE_DIM:].contiguous().view(torch.uint8)  # [N, 128]
+    pad = torch.zeros(N, 1, dtype=torch.uint8, device=kv.device)
+    return torch.cat([q8.view(torch.uint8), rope], dim=1), torch.cat([codes, pad], dim=1)
+
+
+def pack_fp8_ds_mla_v4(kv: torch.Tensor) -> torch.Tensor:
+    data, scales = _quantise_v4(kv)
+    return torch.cat([data, scales], dim=1)
+
+
+def unpack_fp8_ds_mla_v4(packed: torch.Tensor) -> torch.Tensor:
+    if packed.dim() == 2:  # one token per row: pages of size 1
+        packed = packed.view(packed.shape[0], 1, V4_TOKEN_BYTES)
+        squeeze = True
+    else:
+        squeeze = False
+    data, scales = v4_cache_pages(packed)
+    nb_, page = data.shape[0], data.shape[1]
+    data = data.reshape(nb_ * page, V4_DATA_BYTES)
+    scales = scales.reshape(nb_ * page, V4_SCALE_BYTES)
+    T = data.shape[0]
+    nope = data[:, :V4_NOPE_DIM].contiguous().view(FP8).float().view(T, V4_NUM_SCALES, V4_GROUP)
+    nope = (nope * ue8m0_to_float(scales[:, :V4_NUM_SCALES])[:, :, None]).view(T, V4_NOPE_DIM)
+    rope = data[:, V4_NOPE_DIM:].contiguous().view(torch.bfloat16)
+    out = torch.cat([nope.to(torch.bfloat16), rope], dim=1)
+    if squeeze:
+        return out
+    return out.view(*packed.shape[:-1], V4_HEAD_DIM)
+
+
+def v4_kv_rms_norm(kv: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the 512 dims, rounded once to bf16: ``bf16(x * (1 / sqrt(mean(x^2) + eps)) * w)``.
+
+    The sum of squares is taken in float64 (every square of a bf16 value is exact there), so the
+    result does not depend on the order of summation; the rest is float32 with correctly rounded
+    ``sqrt`` and division (no fused multiply-add).
+    """
+    x = kv.float()
+    ss = kv.double().square().sum(dim=-1, keepdim=True)
+    ms = (ss / V4_HEAD_DIM).float()
+    v = ms + torch.full_like(ms, eps)
+    rms = torch.ones_like(v) / torch.sqrt(v)
+    return ((x * rms) * weight.float()).to(torch.bfloat16)
+
+
+def v4_kv_rope(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Interleaved (GPT-J) rotary embedding of the last 64 dims of bf16 ``kv [T, 512]``: pairs
+    ``(2i, 2i+1)`` turn by ``cos_sin_cache[pos] = [cos(32) | sin(32)]``, in float32 (no fused
+    multiply-add), rounded to bf16. ``positions`` must index ``cos_sin_cache``."""
+    T = kv.shape[0]
+    half = V4_ROPE_DIM // 2
+    cs = cos_sin_cache.float()[positions.long()]  # [T, 64]
+    cos, sin = cs[:, :half], cs[:, half:]
+    r = kv[:, V4_NOPE_DIM:].float().view(T, half, 2)
+    even, odd = r[:, :, 0], r[:, :, 1]
+    new_even = even * cos - odd * sin
+    new_odd = even * sin + odd * cos
+    rope = torch.stack([new_even, new_odd], dim=-1).view(T, V4_ROPE_DIM).to(torch.bfloat16)
+    return torch.cat([kv[:, :V4_NOPE_DIM], rope], dim=1)
+
+
+def write_fp8_ds_mla_v4_cache(
+    kv: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+    slots = slot_mapping.long()
+    keep = (slots >= 0) & (slots < num_blocks * page)
+    if cos_sin_cache is not None:
+        pos = positions.long()
+        keep &= (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    x = kv[keep]
+    if norm_weight is not None:
+        x = v4_kv_rms_norm(x, norm_weight, eps)
+    if cos_sin_cache is not None:
+        x = v4_kv_rope(x, positions[keep], cos_sin_cache)
+    data, scales = _quantise_v4(x)
+    pages_data, pages_scales = v4_cache_pages(kv_cache)
+    s = slots[keep]
+    pages_data[s // page, s % page] = data
+    pages_scales[s // page, s % page] = scales

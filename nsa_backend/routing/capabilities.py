@@ -39,6 +39,7 @@ OPS: tuple[str, ...] = (
     "topk_indices", "logical_to_global_indices",
     "flash_mla_sparse_fwd", "sparse_mla_decode",
     "pack_fp8_ds_mla", "unpack_fp8_ds_mla", "write_fp8_ds_mla_cache",
+    "pack_fp8_ds_mla_v4", "unpack_fp8_ds_mla_v4", "write_fp8_ds_mla_v4_cache",
     "tf32_hc_prenorm_gemm",
 )
 NATIVE_IMPLS: tuple[str, ...] = ("deep_gemm", "flash_mla", "flashinfer")
@@ -251,6 +252,8 @@ _TRITON_OPS = (
     "fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "topk_indices",
     "logical_to_global_indices", "flash_mla_sparse_fwd", "sparse_mla_decode", "pack_fp8_ds_mla",
     "write_fp8_ds_mla_cache", "tf32_hc_prenorm_gemm",
+    # DeepSeek-V4 KV cache (584-byte tokens): integer-only e4m3 / UE8M0 code, one kernel for every arch.
+    "pack_fp8_ds_mla_v4", "unpack_fp8_ds_mla_v4", "write_fp8_ds_mla_v4_cache",
 )
 
 TABLE: tuple[Support, ...] = (

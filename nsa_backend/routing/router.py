@@ -51,6 +51,9 @@ OP_FAMILY: dict[str, str | None] = {
     "pack_fp8_ds_mla": "decode",
     "unpack_fp8_ds_mla": "decode",
     "write_fp8_ds_mla_cache": "decode",
+    "pack_fp8_ds_mla_v4": "decode",
+    "unpack_fp8_ds_mla_v4": "decode",
+    "write_fp8_ds_mla_v4_cache": "decode",
     "tf32_hc_prenorm_gemm": "hc_prenorm",
 }
 # Order in which "auto" tries implementations (the first usable one wins).

@@ -106,6 +106,24 @@ def test_compile_quant_and_mhc_ops():
     _compiled_matches(hc, h["a"], h["b"])
 
 
+def test_compile_v4_cache_ops():
+    kv = torch.randn(5, 512).bfloat16()
+    _compiled_matches(lambda x: nb.unpack_fp8_ds_mla_v4(nb.pack_fp8_ds_mla_v4(x)), kv)
+
+    def write(kv, cache, slots, weight, positions, cos_sin):
+        nb.write_fp8_ds_mla_v4_cache(kv, cache, slots, weight, positions, cos_sin)
+        return cache
+
+    cache = torch.zeros(2, 64, 584, dtype=torch.uint8)
+    args = (kv[:3], cache, torch.tensor([0, 70, -1]), torch.rand(512) + 0.5, torch.tensor([0, 3, 5]),
+            torch.randn(8, 64))
+    torch._dynamo.reset()
+    eager = write(*args[:1], cache.clone(), *args[2:])
+    compiled = torch.compile(write, fullgraph=True, backend=BACKEND)(*args[:1], cache.clone(), *args[2:])
+    assert torch.equal(eager, compiled)
+    assert eager.any()
+
+
 OPCHECK_CASES = {
     "fp8_mqa_logits": lambda: (torch.ops.nsa_backend.fp8_mqa_logits, (
         *(lambda a: (a["q"], a["kv"][0], a["kv"][1], a["weights"], a["cu_seq_len_k_start"],
