@@ -2,7 +2,9 @@
 
 - Without a CUDA GPU, Triton kernels run in the CPU interpreter: ``TRITON_INTERPRET=1`` must be
   set before any kernel module is imported, so it is set here (tests that compile ahead of time
-  run in a subprocess without it).
+  run in a subprocess without it). ``CUDA_VISIBLE_DEVICES`` is emptied too: vLLM, imported later
+  by the integration tests, then keeps real Triton (on a machine without a GPU driver it would
+  put placeholders in its place) so its own kernels run in the interpreter.
 - ``gpu``-marked tests are skipped without a CUDA GPU.
 """
 
@@ -14,6 +16,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import pytest
 
