@@ -10,6 +10,10 @@ What :func:`register` installs:
 - ``nsa_backend`` in SGLang's attention-backend registry, the ``--attention-backend`` choices,
   the MLA backend lists of the DeepSeek model code (absorbed MLA, DSA dispatch) and the
   speculative-decoding draft backend factory (MTP / EAGLE draft extend and multi-step decode);
+- a wrapper of SGLang's ``handle_model_specific_adjustments`` resolution step (where SGLang picks the
+  FP8 cache and the per-phase DSA kernels): when nsa-backend serves a phase and SGLang picked TRT-LLM's
+  raw FP8 cache layout by itself, the phases are resolved to kernels of the scaled ``fp8_ds_mla``
+  layout nsa-backend's ops read (:func:`resolve_scaled_fp8_layout`);
 - an extra check after SGLang's own ``ServerArgs.check_server_args`` that validates the prefill /
   decode implementation choice with :func:`nsa_backend.routing.validate_impl_choice`;
 - with ``takeover`` (``[sglang]`` config table or ``NSA_BACKEND_SGLANG_TAKEOVER=1``): the same
@@ -23,9 +27,17 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from nsa_backend_integrations.sglang.settings import SglangSettings, check_impl_choice, load_settings
+from nsa_backend_integrations.sglang.settings import (
+    TAKEOVER_ENV,
+    SglangSettings,
+    check_impl_choice,
+    check_resolved_layout,
+    load_settings,
+    scaled_layout_phase_defaults,
+)
 
 logger = logging.getLogger("nsa_backend.sglang")
 
@@ -33,6 +45,9 @@ BACKEND_NAME = "nsa_backend"
 """The ``--attention-backend`` value that selects nsa-backend."""
 TAKEOVER_NAMES: tuple[str, ...] = ("dsa", "nsa")
 """SGLang's built-in DSA backend names served by nsa-backend under ``takeover``."""
+RESOLUTION_STEP = "handle_model_specific_adjustments"
+"""SGLang's resolution step (``arg_groups/pipeline.py``) that declares the DSA KV-cache dtype and the
+per-phase DSA kernels (``_dsa_kv_cache_dtype_default``, ``_dsa_split_backend_resolution``)."""
 
 _MARK = "__nsa_backend_hook__"
 _lock = threading.RLock()
@@ -70,6 +85,7 @@ def register() -> None:
             _register_cli_choices()
             _register_mla()
             _patch_draft_backend_factory()
+            _register_resolution_hook()
             _patch_check_server_args()
             if settings.takeover:
                 from nsa_backend_integrations.sglang import kernels
@@ -188,6 +204,80 @@ def _patch_draft_backend_factory() -> None:
     DraftBackendFactory._create_backend = _create_backend
 
 
+def _register_resolution_hook() -> None:
+    """Wrap SGLang's DSA resolution step with :func:`resolve_scaled_fp8_layout` (plugins load before
+    the server arguments are resolved, so the wrapper is in place for ``resolve_once()``)."""
+    try:
+        from sglang.srt.arg_groups import resolution_hooks
+    except ImportError:  # pragma: no cover - releases without plugin resolution hooks
+        logger.warning(
+            "nsa-backend: this SGLang release has no resolution hooks; an FP8 cache whose DSA kernels SGLang "
+            "resolves to trtllm is refused at startup instead of resolved to the scaled layout"
+        )
+        return
+    registered = getattr(resolution_hooks, "_HOOKS", {}).get(RESOLUTION_STEP, ())
+    if any(getattr(fn, _MARK, False) for fn in registered):
+        return
+
+    def resolve_dsa_phases(server_args: Any, previous: Callable[[Any], None]) -> None:
+        previous(server_args)
+        resolve_scaled_fp8_layout(server_args)
+
+    setattr(resolve_dsa_phases, _MARK, True)
+    resolution_hooks.register_resolution_hook(RESOLUTION_STEP)(resolve_dsa_phases)
+
+
+def nsa_backend_scaled_fp8_layout(view: Any) -> dict:
+    """SGLang post-process pass (``view`` -> declarations) of :func:`resolve_scaled_fp8_layout`.
+
+    Its name is the source SGLang records with the declarations (``_resolved_overrides``).
+    """
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of, record_of
+
+    served = served_names()
+    prefill_backend, decode_backend = attention_backends_of(view)
+    # The record's own fields keep the raw input while SGLang resolves (its declarations are kept
+    # apart), so they say whether the user typed --dsa-*-backend.
+    record = record_of(view)
+    user_flags = (getattr(record, "dsa_prefill_backend", None), getattr(record, "dsa_decode_backend", None))
+    resolved = (getattr(view, "dsa_prefill_backend", None), getattr(view, "dsa_decode_backend", None))
+    kv = str(getattr(view, "kv_cache_dtype", "auto") or "auto")
+    declared = scaled_layout_phase_defaults(
+        kv,
+        resolved,
+        user_flags,
+        (prefill_backend in served, decode_backend in served),
+        getattr(view, "disaggregation_mode", None),
+    )
+    if declared:
+        logger.info(
+            "nsa-backend: SGLang resolved --dsa-prefill-backend %r / --dsa-decode-backend %r with "
+            "--kv-cache-dtype %s, which allocates TRT-LLM's raw FP8 KV-cache rows (576 B/token, no scales) "
+            "that nsa-backend's ops cannot read; nsa-backend serves the attention backend (%s / %s) and "
+            "no --dsa-*-backend flag chose them, so resolving %s (scaled fp8_ds_mla rows, 656 B/token)",
+            *resolved,
+            kv,
+            prefill_backend,
+            decode_backend,
+            ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in declared.items()),
+        )
+    return declared
+
+
+def resolve_scaled_fp8_layout(server_args: Any) -> None:
+    """Declare scaled-layout DSA phase kernels on ``server_args`` where SGLang picked a raw FP8 layout.
+
+    Runs inside SGLang's resolution, right after the step that resolves the FP8 cache and the
+    per-phase DSA kernels, so every later step (pool sizing, the fused-RoPE decision of the model
+    code, the startup check) sees the replaced names. A phase is replaced only when its resolved
+    kernel is ``trtllm``, the user gave no ``--dsa-<phase>-backend`` and nsa-backend serves its
+    attention backend (:func:`~nsa_backend_integrations.sglang.settings.scaled_layout_phase_defaults`).
+    """
+    from sglang.srt.arg_groups.overrides import run_post_process_pass
+
+    run_post_process_pass(server_args, nsa_backend_scaled_fp8_layout)
+
+
 def _patch_check_server_args() -> None:
     """Run :func:`validate_server_args` after SGLang's own server-argument checks."""
     from sglang.srt.server_args import ServerArgs
@@ -225,26 +315,92 @@ def _hf_config(server_args: Any) -> dict:
             return json.load(f)
 
 
+def refuse_name_keyed_paths(view: Any, served_prefill: bool, served_decode: bool) -> None:
+    """Refuse the SGLang features keyed on the ``dsa`` / ``nsa`` names that nsa-backend's backend cannot run.
+
+    ``view`` is SGLang's resolved view of the server arguments; ``served_prefill`` / ``served_decode``:
+    whether nsa-backend's backend serves the prefill / decode attention backend. Raises ``ValueError``
+    naming the flag and the alternative.
+    """
+    served = served_prefill or served_decode
+    if not served:
+        return
+    takeover_off = (
+        f"or serve with SGLang's own backend: unset {TAKEOVER_ENV} / [sglang] takeover and launch with "
+        "--attention-backend dsa"
+    )
+    cp_size = int(getattr(view, "attn_cp_size", 1) or 1)
+    if served_prefill and (bool(getattr(view, "enable_prefill_cp", False)) or cp_size > 1):
+        raise ValueError(
+            "nsa-backend: prefill context parallelism (--enable-prefill-cp / --attn-cp-size "
+            f"{cp_size}) is not supported: nsa-backend's backend does not take "
+            "context-parallel prefill shards. Drop --enable-prefill-cp and use --attn-cp-size 1, "
+            + takeover_off
+            + "."
+        )
+    if bool(getattr(view, "enable_kv_cache_sharding", False)):
+        raise ValueError(
+            "nsa-backend: --enable-kv-cache-sharding is not supported: SGLang's DSA KV sharding needs its "
+            "own TRT-LLM kernels for both phases and prefill context parallelism. Drop "
+            "--enable-kv-cache-sharding, " + takeover_off + "."
+        )
+    if str(getattr(view, "dsa_paged_mqa_logits_backend", "auto")) == "cutedsl":
+        raise ValueError(
+            "nsa-backend: --dsa-paged-mqa-logits-backend cutedsl is not supported: it bypasses the indexer "
+            "kernels nsa-backend routes. Use --dsa-paged-mqa-logits-backend auto (nsa-backend's "
+            "fp8_paged_mqa_logits, DeepGEMM's kernel where it exists)."
+        )
+    topk = getattr(view, "speculative_eagle_topk", None)
+    if getattr(view, "speculative_algorithm", None) and topk is not None and int(topk) > 1:
+        raise ValueError(
+            f"nsa-backend: --speculative-eagle-topk {topk} is not supported: DSA speculative decoding "
+            "drafts one chain (a tree needs page size 1, and DSA pages hold 64 tokens). Use "
+            "--speculative-eagle-topk 1."
+        )
+
+
 def validate_server_args(server_args: Any) -> tuple[str, str] | None:
-    """Validate the implementation choice when an nsa-backend name is the attention backend.
+    """Validate a server whose attention backend is served by nsa-backend.
+
+    Reads SGLang's resolved arguments (``resolved_view``: the user's flags plus the declarations of
+    ``ServerArgs.resolve_once()``, e.g. the FP8 cache and per-phase DSA kernels SGLang picks for the
+    GPU). Refuses the ``dsa``-keyed features nsa-backend cannot run (:func:`refuse_name_keyed_paths`),
+    validates the implementation choice, and refuses resolved DSA kernels whose FP8 cache layout
+    nsa-backend cannot read (:func:`~nsa_backend_integrations.sglang.settings.check_resolved_layout`).
 
     Returns ``(prefill_choice, decode_choice)``, or ``None`` when nsa-backend is not selected.
-    Raises :class:`nsa_backend.routing.ImplChoiceError` with the validator's message.
+    Raises :class:`nsa_backend.routing.ImplChoiceError` or ``ValueError`` with the reason.
     """
     from sglang.srt.arg_groups.model_override_base import attention_backends_of, resolved_view
 
     view = resolved_view(server_args)
     served = served_names() or (BACKEND_NAME,)
-    if not any(name in served for name in attention_backends_of(view)):
+    prefill_backend, decode_backend = attention_backends_of(view)
+    if prefill_backend not in served and decode_backend not in served:
         return None
+    refuse_name_keyed_paths(view, prefill_backend in served, decode_backend in served)
     hf = _hf_config(server_args)
     archs = hf.get("architectures") or ["?"]
     kv = str(getattr(view, "kv_cache_dtype", "auto") or "auto")
+    # The user's choice is the raw flag (what was typed); SGLang's own defaults are not a choice.
     choice = check_impl_choice(
         archs[0],
         kv,
         getattr(server_args, "dsa_prefill_backend", None),
         getattr(server_args, "dsa_decode_backend", None),
     )
-    logger.info("nsa-backend: %s prefill=%s decode=%s accepted", archs[0], *choice)
+    check_resolved_layout(
+        kv,
+        (getattr(view, "dsa_prefill_backend", None), getattr(view, "dsa_decode_backend", None)),
+        choice,
+        getattr(view, "disaggregation_mode", None),
+    )
+    logger.info(
+        "nsa-backend: %s prefill=%s decode=%s accepted (SGLang's resolved DSA kernels %s / %s, %s cache)",
+        archs[0],
+        *choice,
+        getattr(view, "dsa_prefill_backend", None),
+        getattr(view, "dsa_decode_backend", None),
+        kv,
+    )
     return choice

@@ -85,6 +85,7 @@ LOADER = """
     from sglang.srt.models.deepseek_common import attention_backend_handler as h
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
     from sglang.srt.server_args import ServerArgs, prepare_server_args
+    from sglang.srt.arg_groups import resolution_hooks
     from nsa_backend_integrations.sglang import plugin
     absorb = FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
     sizes = (len(ATTENTION_BACKENDS), len(ATTENTION_BACKEND_CHOICES), len(absorb))
@@ -104,6 +105,9 @@ LOADER = """
         "dsa_dispatch": h.AttentionBackendRegistry.get_handler("nsa_backend") is h.handle_attention_dsa,
         "draft_hooked": hasattr(DraftBackendFactory._create_backend, "__wrapped__"),
         "check_hooked": hasattr(ServerArgs.check_server_args, "__wrapped__"),
+        # SGLang's resolution step that picks the DSA kernels, wrapped once (by SGLang's plugin API)
+        "resolution_hooks": [getattr(fn, "__nsa_backend_hook__", False)
+                             for fn in resolution_hooks._HOOKS.get(plugin.RESOLUTION_STEP, ())],
         "idempotent": sizes == (len(ATTENTION_BACKENDS), len(ATTENTION_BACKEND_CHOICES),
                                 len(FORWARD_ABSORB_CORE_ATTENTION_BACKENDS)),
         "parsed": [args.attention_backend, args.kv_cache_dtype, args.speculative_algorithm],
@@ -116,6 +120,7 @@ def test_sglang_loader_registers_backend(glm5_dir):
     got = run_sglang(f"MODEL = {glm5_dir!r}\n" + textwrap.dedent(LOADER))
     assert got["registered"] and got["factory"] and got["choice"] and got["mla"] and got["dsa_dispatch"]
     assert got["draft_hooked"] and got["check_hooked"] and got["idempotent"]
+    assert got["resolution_hooks"] == [True]
     assert got["parsed"] == ["nsa_backend", "fp8_e4m3", "EAGLE"]
     assert got["served"] == ["nsa_backend"]
     assert not got["dsa_is_ours"] and not got["nsa_is_ours"]  # built-in names untouched by default
