@@ -28,6 +28,7 @@ _PREFILL = "nsa_backend.kernels.sparse_mla_prefill"
 _DECODE = "nsa_backend.kernels.sparse_mla_decode"
 _DSMLA = "nsa_backend.kernels.fp8_ds_mla"
 _DSMLA_V4 = "nsa_backend.kernels.fp8_ds_mla_v4"
+_DECODE_V4 = "nsa_backend.kernels.sparse_mla_v4_decode"
 _MHC = "nsa_backend.kernels.mhc"
 _DG = "nsa_backend.native.deep_gemm"
 _FMLA = "nsa_backend.native.flash_mla"
@@ -107,6 +108,17 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
 }
 
 
+# Implementations of one op for one input format whose function signature differs from the op's other
+# implementations (DeepSeek-V4 decode takes a second cache and index list): ``(op, kv_format) -> {impl: path}``.
+# Routing still decides per ``op`` (its ``kv_format`` feature keeps other implementations off these calls).
+FORMAT_IMPLEMENTATIONS: dict[tuple[str, str], dict[str, str]] = {
+    ("sparse_mla_decode", "fp8_ds_mla_v4"): {
+        "reference": f"{_REF}:sparse_mla_decode",
+        "triton": f"{_DECODE_V4}:sparse_mla_v4_decode_triton",
+    },
+}
+
+
 def custom_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn`` as the torch custom op ``name`` and return a caller that uses the op only when
     tracing (``torch.compile``), and calls ``fn`` directly in eager mode.
@@ -144,8 +156,16 @@ def _module_present(module: str) -> bool:
 
 
 @functools.cache
-def get_impl(op: str, impl: str) -> Callable[..., Any]:
-    """The function implementing ``op`` with ``impl`` (imported on first use)."""
+def get_impl(op: str, impl: str, kv_format: str | None = None) -> Callable[..., Any]:
+    """The function implementing ``op`` with ``impl`` (imported on first use); with ``kv_format``, the
+    function of :data:`FORMAT_IMPLEMENTATIONS` for that input format."""
+    if kv_format is not None:
+        table = FORMAT_IMPLEMENTATIONS[(op, kv_format)]
+        if impl not in table:
+            raise ValueError(f"{op}: impl={impl!r} has no kernel for kv_format {kv_format!r}; "
+                             f"available: {list(table)}")
+        module, func = table[impl].split(":")
+        return getattr(importlib.import_module(module), func)
     module, func = IMPLEMENTATIONS[op][impl].split(":")
     return getattr(importlib.import_module(module), func)
 

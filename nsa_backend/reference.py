@@ -349,6 +349,8 @@ def write_fp8_ds_mla_cache(
 
 def _gather_cache_rows(kv_cache: torch.Tensor, kv_format: str, slots: torch.Tensor, d_qk: int) -> torch.Tensor:
     """Dequantised keys for global slots (clamped into range) -> float32 [..., d_qk]."""
+    if kv_format == "fp8_ds_mla_v4":
+        return _gather_v4_rows(kv_cache, slots)
     if kv_format == "fp8_ds_mla":
         flat = kv_cache.reshape(-1, DS_MLA_TOKEN_BYTES)
         rows = flat[slots.reshape(-1)]
@@ -367,8 +369,14 @@ def sparse_mla_decode(
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     kv_scale_format: str | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # the keys are bf16(e4m3 * scale) whatever the scale format (kv_scale_format is a kernel hint)
+    if extra_indices is not None:
+        return _sparse_mla_decode_two_lists(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length,
+                                            extra_kv_cache, extra_indices, extra_topk_length)
     B, s_q, h_q, d_qk = q.shape
     topk = indices.shape[-1]
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
@@ -550,3 +558,56 @@ def write_fp8_ds_mla_v4_cache(
     s = slots[keep]
     pages_data[s // page, s % page] = data
     pages_scales[s // page, s % page] = scales
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparse MLA over the DeepSeek-V4 cache: two index lists (window + compressed), FlashMLA's contract
+# ----------------------------------------------------------------------------------------------
+
+def _gather_v4_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Dequantised V4 keys (``unpack_fp8_ds_mla_v4``) at global slots (clamped into range) -> float32
+    ``[..., 512]``."""
+    data, scales = v4_cache_pages(kv_cache)
+    page = data.shape[1]
+    s = slots.reshape(-1)
+    rows = torch.cat([data[s // page, s % page], scales[s // page, s % page]], dim=1)  # [n, 584], one token each
+    return unpack_fp8_ds_mla_v4(rows).float().view(*slots.shape, V4_HEAD_DIM)
+
+
+def _sparse_mla_decode_two_lists(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    kv_format: str,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    extra_kv_cache: torch.Tensor,
+    extra_indices: torch.Tensor,
+    extra_topk_length: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over ``indices[:topk_length]`` of ``kv_cache`` together with
+    ``extra_indices[:extra_topk_length]`` of ``extra_kv_cache``: one softmax over both key lists."""
+    B, s_q, h_q, d_qk = q.shape
+    R = B * s_q
+    lists = ((kv_cache, indices, topk_length), (extra_kv_cache, extra_indices, extra_topk_length))
+    out = torch.empty(R, h_q, d_v, dtype=torch.float32, device=q.device)
+    lse = torch.empty(R, h_q, dtype=torch.float32, device=q.device)
+    qr = q.reshape(R, h_q, d_qk)
+    width = indices.shape[-1] + extra_indices.shape[-1]
+    step = max(1, _CHUNK_ELEMS // max(1, width * d_qk))
+    for r0 in range(0, R, step):
+        sl = slice(r0, r0 + step)
+        keys, valid = [], []
+        for cache, idx, length in lists:
+            n_slots = cache.shape[0] * cache.shape[1]
+            rows = idx.reshape(R, idx.shape[-1]).long()
+            lens = length.long().repeat_interleave(s_q) if length is not None else None
+            valid.append(_topk_valid(rows, n_slots, lens)[sl])
+            keys.append(_gather_cache_rows(cache, kv_format, rows[sl].clamp(0, max(n_slots - 1, 0)), d_qk))
+        o, _, l_ = _sparse_attention(qr[sl], torch.cat(keys, dim=1), torch.cat(valid, dim=1), sm_scale, d_v,
+                                     attn_sink)
+        out[sl], lse[sl] = o, l_
+    out = out.view(B, s_q, h_q, d_v).to(torch.bfloat16)
+    return out, lse.view(B, s_q, h_q).transpose(1, 2).contiguous()

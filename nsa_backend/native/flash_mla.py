@@ -152,9 +152,16 @@ def sparse_mla_decode(
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     kv_scale_format: str | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_mla.flash_mla_with_kvcache`` in sparse FP8 mode (``kv_format="fp8_ds_mla"`` only;
     ``kv_scale_format`` is not needed: FlashMLA reads the scales as stored)."""
+    # The second key list belongs to the DeepSeek-V4 cache, which routing never sends here.
+    if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
+        raise ValueError("extra_kv_cache / extra_indices: FlashMLA sparse decode here serves one key list over the "
+                         "fp8_ds_mla cache; use impl='triton' or 'reference' for the DeepSeek-V4 format")
     if kv_format != "fp8_ds_mla":
         raise ValueError(f"kv_format: FlashMLA sparse decode reads the fp8_ds_mla cache only, got {kv_format!r}")
     fm = _module()

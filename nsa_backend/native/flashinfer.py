@@ -85,12 +85,19 @@ def sparse_mla_decode(
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     kv_scale_format: str | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode through FlashInfer (``kv_format="fp8_ds_mla"``, d_qk 576, d_v 512).
 
     ``kv_scale_format`` (``"arbitrary"`` / ``"pow2"``) is FlashInfer's ``kv_scale_format``; ``None`` takes
     the process setting (:func:`set_kv_scale_format`).
     """
+    # The second key list belongs to the DeepSeek-V4 cache, which routing never sends here.
+    if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
+        raise ValueError("extra_kv_cache / extra_indices: FlashInfer sparse decode here serves one key list over the "
+                         "fp8_ds_mla cache; use impl='triton' or 'reference' for the DeepSeek-V4 format")
     if kv_format != "fp8_ds_mla":
         raise ValueError(f"kv_format: FlashInfer sparse MLA decode reads the fp8_ds_mla cache only, "
                          f"got {kv_format!r}")

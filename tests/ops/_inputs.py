@@ -61,8 +61,14 @@ def prefill_args(s_q: int = 2, h_q: int = 2, d_qk: int = 576, s_kv: int = 12, to
 
 def decode_args(B: int = 2, s_q: int = 1, h_q: int = 2, topk: int = 4, kv_format: str = "fp8_ds_mla",
                 num_blocks: int = 2, page: int = 64) -> dict[str, Any]:
-    d_qk = 576
-    if kv_format == "fp8_ds_mla":
+    d_qk = 512 if kv_format == "fp8_ds_mla_v4" else 576
+    if kv_format == "fp8_ds_mla_v4":
+        cache = nb.pack_fp8_ds_mla_v4(torch.randn(num_blocks * page, d_qk).bfloat16(), impl="reference")
+        # one token per packed row -> block-split pages: every page's data rows, then its scale rows
+        rows = cache.view(num_blocks, page, 584)
+        cache = torch.cat([rows[:, :, :576].reshape(num_blocks, -1), rows[:, :, 576:].reshape(num_blocks, -1)], 1)
+        cache = cache.view(num_blocks, page, 1, 584)
+    elif kv_format == "fp8_ds_mla":
         cache = nb.pack_fp8_ds_mla(torch.randn(num_blocks * page, d_qk).bfloat16(), impl="reference")
         cache = cache.view(num_blocks, page, 1, 656)
     else:
@@ -73,6 +79,7 @@ def decode_args(B: int = 2, s_q: int = 1, h_q: int = 2, topk: int = 4, kv_format
         indices=torch.randint(0, num_blocks * page, (B, s_q, topk), dtype=torch.int32),
         sm_scale=d_qk ** -0.5,
         kv_format=kv_format,
+        topk_length=torch.randint(0, topk + 1, (B,), dtype=torch.int32),
     )
 
 

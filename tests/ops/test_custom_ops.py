@@ -82,6 +82,19 @@ def test_compile_sparse_mla_ops():
     _compiled_matches(decode, d["q"], d["kv_cache"], d["indices"])
 
 
+def test_compile_sparse_mla_v4_decode():
+    main = mk.decode_args(kv_format="fp8_ds_mla_v4")
+    extra = mk.decode_args(kv_format="fp8_ds_mla_v4", num_blocks=3, page=8)
+    sink = torch.randn(main["q"].shape[2])
+
+    def decode(q, cache, idx, extra_cache, extra_idx, extra_len, sink):
+        return nb.sparse_mla_decode(q, cache, idx, 0.05, kv_format="fp8_ds_mla_v4", attn_sink=sink,
+                                    extra_kv_cache=extra_cache, extra_indices=extra_idx, extra_topk_length=extra_len)
+
+    _compiled_matches(decode, main["q"], main["kv_cache"], main["indices"], extra["kv_cache"], extra["indices"],
+                      extra["topk_length"], sink)
+
+
 def test_compile_quant_and_mhc_ops():
     kv = torch.randn(5, 576).bfloat16()
     _compiled_matches(lambda x: nb.unpack_fp8_ds_mla(nb.pack_fp8_ds_mla(x, "pow2")), kv)
@@ -134,7 +147,11 @@ OPCHECK_CASES = {
         "reference")),
     "sparse_mla_decode": lambda: (torch.ops.nsa_backend.sparse_mla_decode, (
         *(lambda a: (a["q"], a["kv_cache"], a["indices"], a["sm_scale"]))(mk.decode_args()), 512, "fp8_ds_mla",
-        None, None, "pow2", "reference")),
+        None, None, "pow2", None, None, None, "reference")),
+    "sparse_mla_decode_v4": lambda: (torch.ops.nsa_backend.sparse_mla_decode, (
+        *(lambda a: (a["q"], a["kv_cache"], a["indices"], a["sm_scale"]))(mk.decode_args(kv_format="fp8_ds_mla_v4")),
+        512, "fp8_ds_mla_v4", None, None, None, *(lambda a: (a["kv_cache"], a["indices"], a["topk_length"]))(
+            mk.decode_args(kv_format="fp8_ds_mla_v4", num_blocks=3, page=8)), "reference")),
     "tf32_hc_prenorm_gemm": lambda: (torch.ops.nsa_backend.tf32_hc_prenorm_gemm, (
         *(lambda a: (a["a"], a["b"], a["d"], a["sqr_sum"]))(mk.hc_args(splits=2)), 2, "reference")),
     "write_fp8_ds_mla_cache": lambda: (torch.ops.nsa_backend.write_fp8_ds_mla_cache, (
