@@ -238,3 +238,46 @@ def test_doctor_checks_the_vllm_table_of_config_not_the_environment(tmp_path, mo
     monkeypatch.setenv(config.CONFIG_ENV, str(bad))
     routing.reset_config()
     assert cli.main(["doctor", "--config", str(good)]) == 0, capsys.readouterr().err
+
+
+def _plan_rows(out: str) -> dict[str, tuple[str, str]]:
+    """``op -> (impl, note)`` from a plan table printed without wrapping."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 5 and cells[1] in ("indexer", "topk", "prefill", "decode", "hc_prenorm"):
+            rows[cells[0]] = (cells[2], cells[4])
+    return rows
+
+
+@pytest.mark.parametrize(("model", "index_heads"), [("deepseek-v3.2", 64), ("glm-5", 32)])
+def test_plan_sm120_keeps_deep_gemm_indexer_where_it_serves(model, index_heads, monkeypatch, capsys):
+    """On SM120 with a DeepGEMM that has SM120 kernels, the indexer stays native at 32 / 64 index
+    heads (both models, every TP: the indexer is replicated), with the kernel named as the reason."""
+    monkeypatch.setenv("COLUMNS", "300")
+    assert cli.main(["plan", "--model", model, "--arch", "sm120", "--kv-cache-dtype", "fp8_e4m3", "--tp", "2",
+                     "--assume-natives", "deep_gemm=2.8.1"]) == 0
+    rows = _plan_rows(capsys.readouterr().out)
+    for op, kernel in (("fp8_mqa_logits", "sm120_fp8_mqa_logits"),
+                       ("get_paged_mqa_logits_metadata", "sm120_paged_mqa_logits_metadata"),
+                       ("fp8_paged_mqa_logits", "sm120_fp8_paged_mqa_logits")):
+        impl, note = rows[op]
+        assert impl == "deep_gemm" and kernel in note, (op, impl, note)
+    assert rows["sparse_mla_decode"][0] == "triton"
+
+
+@pytest.mark.parametrize(("arch", "index_heads", "reason"), [
+    ("sm120", 128, "num_heads"),   # DeepGEMM's SM120 indexer takes 32 or 64 heads (fewer are padded)
+    ("sm89", 64, "sm89"),          # no DeepGEMM kernels below SM90
+])
+def test_plan_indexer_falls_back_to_triton_with_the_reason(arch, index_heads, reason, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "300")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"architectures": ["DeepseekV32ForCausalLM"], "num_attention_heads": 64,
+                                "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                                "v_head_dim": 128, "index_n_heads": index_heads, "index_head_dim": 128,
+                                "index_topk": 2048}))
+    assert cli.main(["plan", "--model", str(path), "--arch", arch, "--kv-cache-dtype", "fp8_e4m3",
+                     "--assume-natives", "deep_gemm=2.8.1"]) == 0
+    impl, note = _plan_rows(capsys.readouterr().out)["fp8_mqa_logits"]
+    assert impl == "triton" and "deep_gemm" in note and reason in note, (impl, note)
