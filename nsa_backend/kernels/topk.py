@@ -88,10 +88,11 @@ __all__ = ["logical_to_global_indices_triton", "topk_indices_triton"]
 
 @triton.jit
 def _topk_ordered_key(x):
-    # float32 -> uint32 whose unsigned order is the float order
+    # float32 -> uint32 whose unsigned order is the float order (xor with all ones rather than ~:
+    # Triton 3.8's interpreter evaluates ~ on uint32 through a signed -1 and overflows)
     bits = x.to(tl.uint32, bitcast=True)
     neg = (bits >> 31) != 0
-    return tl.where(neg, ~bits, bits | 0x80000000)
+    return tl.where(neg, bits ^ 0xFFFFFFFF, bits | 0x80000000)
 
 
 @triton.jit
@@ -340,7 +341,7 @@ def _topk_kth_key(b_key, m_key, k, LOW: tl.constexpr):
     nb = tl.where(diff == 0, 0, ((diff.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32))
     nb = tl.maximum(tl.minimum(nb, 32), LOW)
     low = ((tl.full([], 1, tl.uint32) << (tl.maximum(nb, 1) - 1).to(tl.uint32)) - 1) * 2 + 1
-    t = tl.where(nb == 0, k_min, k_min & ~low)
+    t = tl.where(nb == 0, k_min, k_min & (low ^ 0xFFFFFFFF))
     for i in range(0, nb - LOW):
         c = t | (tl.full([], 1, tl.uint32) << (nb - 1 - i).to(tl.uint32))
         n_ge = tl.sum((m_key & (b_key >= c)).to(tl.int32), axis=0)
@@ -632,7 +633,7 @@ def _topk_list_threshold(p_key, n_c, K, t_lo, k_max, BLOCK: tl.constexpr):
     nb = tl.where(diff == 0, 0, ((diff.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) - 126).to(tl.int32))
     nb = tl.minimum(nb + (nb & 1), 32)
     low = ((tl.full([], 1, tl.uint32) << (tl.maximum(nb, 1) - 1).to(tl.uint32)) - 1) * 2 + 1
-    t = tl.where(nb == 0, t_lo, t_lo & ~low)
+    t = tl.where(nb == 0, t_lo, t_lo & (low ^ 0xFFFFFFFF))
     n_t = n_c  # keys >= t
     sh = nb - 2  # lowest bit of the next digit
     while (n_t != K) & (sh >= 0):
