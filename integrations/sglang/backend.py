@@ -253,11 +253,6 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
         """
         kv = "fp8_e4m3" if "float8" in kv_cache_dtype or "fp8" in kv_cache_dtype else "bfloat16"
         store_fp8 = bool(getattr(self, "dsa_kv_cache_store_fp8", False))
-        if kv == "fp8_e4m3" and not store_fp8:
-            raise ValueError(
-                "nsa-backend's SGLang backend needs the packed fp8_ds_mla cache for an FP8 KV cache "
-                "(raw FP8 MLA rows without scales are a TileLang-only layout)"
-            )
         if getattr(self, "dsa_index_kpool", 1) > 1:
             raise ValueError(
                 "nsa-backend's SGLang backend does not support pooled index keys (index_kpool > 1)"
@@ -269,18 +264,29 @@ class NsaSparseAttnBackend(DeepseekSparseAttnBackend):
         self.nsa_choices = check_impl_choice(
             model_arch, kv, prefill_flag, decode_flag, device_arch=device_arch
         )
+        # SGLang's resolved kernels decide the pool layout: refuse a raw FP8 layout with the message
+        # that names the flags (also run at startup, before any worker builds the backend).
         check_resolved_layout(kv, resolved, self.nsa_choices, disaggregation_mode)
         prefill_choice, decode_choice = self.nsa_choices
+        ours = [
+            phase
+            for phase, choice in (("prefill", prefill_choice), ("decode", decode_choice))
+            if CHOICE_TO_IMPL.get(choice) is not None
+        ]
         kv_dim = getattr(self, "kv_cache_dim", None)
-        if (
-            kv == "fp8_e4m3"
-            and kv_dim is not None
-            and kv_dim != FP8_DS_MLA_BYTES
-            and (CHOICE_TO_IMPL.get(prefill_choice) is not None or CHOICE_TO_IMPL.get(decode_choice) is not None)
-        ):
+        raw_rows = not store_fp8 or (kv_dim is not None and kv_dim != FP8_DS_MLA_BYTES)
+        if kv == "fp8_e4m3" and raw_rows and ours:
+            # A raw pool whose resolved names check_resolved_layout accepts (e.g. SGLang's TileLang
+            # pair sizes raw rows too); phases that all run SGLang's own kernels read it themselves.
+            rows = f"{kv_dim} B/token" if kv_dim is not None else "no scales"
             raise ValueError(
-                f"nsa-backend's SGLang backend reads the fp8_ds_mla cache ({FP8_DS_MLA_BYTES} B/token); "
-                f"SGLang allocated {kv_dim} B/token rows (TRT-LLM's raw FP8 layout)"
+                f"nsa-backend's SGLang backend reads the scaled fp8_ds_mla FP8 cache ({FP8_DS_MLA_BYTES} B/token) "
+                f"for the {' and '.join(ours)} phase, but SGLang allocated raw FP8 MLA rows ({rows}) for its "
+                f"resolved --dsa-prefill-backend {resolved[0]!r} / --dsa-decode-backend {resolved[1]!r}. "
+                "Leave both --dsa-prefill-backend and --dsa-decode-backend unset, or pass --kv-cache-dtype "
+                "bfloat16, or --dsa-prefill-backend flashmla_sparse --dsa-decode-backend flashmla_kv (scaled "
+                "layout), or name SGLang's own kernel for both phases (e.g. --dsa-prefill-backend trtllm "
+                "--dsa-decode-backend trtllm)."
             )
         # Our implementation name per phase; None: the phase runs SGLang's kernel of that name.
         self.nsa_prefill_impl = CHOICE_TO_IMPL.get(prefill_choice)

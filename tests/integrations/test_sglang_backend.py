@@ -640,6 +640,64 @@ def test_multi_step_draft_backend_builds_our_steps(monkeypatch):
     assert all(m["seed_dsa_topk_from_draft_extend"] for m in made)
 
 
+def _raw_fp8_backend(kv_cache_dim: int = 576) -> NsaSparseAttnBackend:
+    """A bare backend on SGLang's raw FP8 pool (TRT-LLM's rows: no scales, ``dsa_kv_cache_store_fp8`` False)."""
+    b = object.__new__(NsaSparseAttnBackend)
+    b.dsa_kv_cache_store_fp8 = False
+    b.kv_cache_dim = kv_cache_dim
+    b.dsa_index_kpool = 1
+    b.hisparse_coordinator = None
+    b.dcp_size = 1
+    return b
+
+
+def test_configure_raw_fp8_pool_refused_with_the_flags_to_change():
+    """SGLang's resolved trtllm phases with nsa-backend's ops: the refusal names the flags and the
+    alternatives (the resolved-layout check runs before the pool-layout check)."""
+    with pytest.raises(ValueError) as err:
+        _raw_fp8_backend().configure(
+            model_arch="DeepseekV32ForCausalLM",
+            kv_cache_dtype="fp8_e4m3",
+            device_arch="sm100",
+            resolved=("trtllm", "trtllm"),
+        )
+    msg = str(err.value)
+    assert "resolved --dsa-prefill-backend 'trtllm' / --dsa-decode-backend 'trtllm'" in msg
+    assert "--kv-cache-dtype bfloat16" in msg and "--dsa-decode-backend flashmla_kv" in msg
+    assert "TileLang" not in msg
+
+
+def test_configure_raw_fp8_pool_of_other_resolved_names_refused():
+    """A raw pool whose resolved names are not trtllm (SGLang sizes a TileLang pair raw too) with
+    nsa-backend's ops for a phase: refused, naming the flags and the alternatives."""
+    with pytest.raises(ValueError) as err:
+        _raw_fp8_backend().configure(
+            model_arch="DeepseekV32ForCausalLM",
+            kv_cache_dtype="fp8_e4m3",
+            device_arch="sm90",
+            resolved=("tilelang", "tilelang"),
+        )
+    msg = str(err.value)
+    assert "for the prefill and decode phase" in msg and "raw FP8 MLA rows (576 B/token)" in msg
+    assert "--kv-cache-dtype bfloat16" in msg and "--dsa-prefill-backend flashmla_sparse" in msg
+
+
+def test_configure_raw_fp8_pool_with_sglang_kernels_for_both_phases():
+    """``--dsa-prefill-backend trtllm --dsa-decode-backend trtllm``: SGLang's kernels read their raw rows,
+    nsa-backend's ops read none of them."""
+    b = _raw_fp8_backend()
+    b.configure(
+        model_arch="DeepseekV32ForCausalLM",
+        kv_cache_dtype="fp8_e4m3",
+        prefill_flag="trtllm",
+        decode_flag="trtllm",
+        device_arch="sm100",
+        resolved=("trtllm", "trtllm"),
+    )
+    assert (b.nsa_prefill_impl, b.nsa_decode_impl) == (None, None)
+    assert (b.dsa_prefill_impl, b.dsa_decode_impl) == ("trtllm", "trtllm")
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused RoPE: the model leaves q_pe / k_pe unrotated and passes cos_sin_cache / is_neox
 # ---------------------------------------------------------------------------------------------

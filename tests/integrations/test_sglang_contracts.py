@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("sglang")
 
 import sglang
+from sglang.srt.arg_groups import model_hook, resolution_hooks
 from sglang.srt.layers.attention.dsa.dsa_indexer_metadata import DSAIndexerMetadata
 from sglang.srt.layers.attention.dsa_backend import (
     DeepseekSparseAttnBackend,
@@ -97,7 +98,8 @@ def _local_dict_keys(func: ast.AST, name: str) -> set[str]:
 NAMES = (
     "_create_backend", "check_server_args", "attn_mqa", "DeepseekSparseAttn", "topk_transform",
     "get_indexer_metadata", "get_topk_transform_method", "set_dsa_prefill_impl", "_topk_v2_plan",
-    "forward_extend", "forward_decode", "mqa_logits", "tf32_hc_prenorm_gemm",
+    "forward_extend", "forward_decode", "mqa_logits", "tf32_hc_prenorm_gemm", "run_hook",
+    "handle_model_specific_adjustments",
 )
 
 
@@ -269,6 +271,71 @@ def _calls_of_resolved(resolver: str) -> list[Site]:
         starred = any(isinstance(a, ast.Starred) for a in call.args)
         sites.append(Site(path, call.lineno, None if starred else len(call.args), keywords))
     return sites
+
+
+def _resolution_wrapper() -> Callable:
+    """The plugin's wrapper registered for SGLang's ``handle_model_specific_adjustments`` step."""
+    assert plugin.RESOLUTION_STEP in resolution_hooks._OVERRIDABLE_HOOKS, (
+        f"{plugin.RESOLUTION_STEP} is not an overridable resolution step of SGLang {sglang.__version__}"
+    )
+    ours = [fn for fn in resolution_hooks._HOOKS.get(plugin.RESOLUTION_STEP, ()) if getattr(fn, plugin._MARK, False)]
+    assert len(ours) == 1, f"{len(ours)} nsa-backend wrappers registered for {plugin.RESOLUTION_STEP}"
+    return ours[0]
+
+
+def _calls_in_function(file_suffix: str, function: str, callee: str) -> list[Site]:
+    """Calls ``callee(..)`` made inside ``def function`` (nested definitions included) of the SGLang file
+    whose path ends with ``file_suffix``."""
+    sites = []
+    for path, tree in _trees():
+        if not path.endswith(file_suffix):
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function):
+                continue
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == callee:
+                    starred = any(isinstance(a, ast.Starred) for a in call.args)
+                    keywords = {kw.arg for kw in call.keywords if kw.arg}
+                    sites.append(Site(path, call.lineno, None if starred else len(call.args), keywords))
+    return sites
+
+
+def test_resolution_hook_call_sites():
+    """Every way SGLang's resolution reaches the plugin's wrapper of ``handle_model_specific_adjustments``.
+
+    - each ``run_hook(handle_model_specific_adjustments, ...)`` of the pipeline: bound to ``run_hook``,
+      and its step arguments (the builtin replaced by ``previous``) to our ``(server_args, previous)``;
+    - ``resolution_hooks._bind``'s ``fn(server_args, previous)``: bound to our wrapper;
+    - no direct call of the step outside ``run_hook`` (it would skip the wrapper);
+    - our ``previous(server_args)``: bound to SGLang's own step.
+    """
+    wrapper = _resolution_wrapper()
+    run_hook_sites = []
+    for path, call, _func in _all_calls():
+        f = call.func
+        if not (isinstance(f, ast.Name) and f.id == "run_hook") or not call.args:
+            continue
+        first = call.args[0]
+        if getattr(first, "id", getattr(first, "attr", None)) == plugin.RESOLUTION_STEP:
+            starred = any(isinstance(a, ast.Starred) for a in call.args)
+            keywords = {kw.arg for kw in call.keywords if kw.arg}
+            run_hook_sites.append(Site(path, call.lineno, None if starred else len(call.args), keywords))
+    assert run_hook_sites, (
+        f"no run_hook({plugin.RESOLUTION_STEP}, ...) in SGLang {sglang.__version__}: the wrapper never runs"
+    )
+    bind_all(run_hook_sites, resolution_hooks.run_hook)
+    # run_hook(builtin, server_args) -> the wrapper gets (server_args, previous): same positional count
+    BOUND[f"run_hook({plugin.RESOLUTION_STEP}) -> resolve_dsa_phases"] = bind_all(run_hook_sites, wrapper)
+    bind_sites = _calls_in_function("arg_groups/resolution_hooks.py", "_bind", "fn")
+    assert bind_sites, "resolution_hooks._bind calls no fn(...): the wrapper protocol changed"
+    BOUND["resolution_hooks._bind fn(...) -> resolve_dsa_phases"] = bind_all(bind_sites, wrapper)
+    direct = call_sites(plugin.RESOLUTION_STEP)
+    assert not direct, "called without run_hook (skips nsa-backend's wrapper): " + ", ".join(
+        site.where() for site in direct
+    )
+    # What the wrapper calls: previous(server_args), SGLang's step when ours is the first wrapper.
+    inspect.signature(model_hook.handle_model_specific_adjustments).bind(None)
 
 
 OVERRIDES = [

@@ -1,6 +1,7 @@
 """Server start with nsa-backend's SGLang plugin: SGLang's resolved arguments, and each refused path.
 
-Arguments are parsed by SGLang's ``prepare_server_args``, resolved by SGLang's own
+Arguments are parsed (``sglang_layer_support.launch_server``, shared with the layer tests) by SGLang's
+``prepare_server_args``, resolved by SGLang's own
 ``ServerArgs.resolve_once()`` (its whole resolution pipeline, with the plugin's wrapper of the
 ``handle_model_specific_adjustments`` step) with the GPU capability that pipeline reads set per case,
 and checked by ``ServerArgs.check_server_args`` as the plugin wraps it (SGLang's checks, then
@@ -19,16 +20,14 @@ pytest.importorskip("sglang")
 
 import torch
 from sglang.kernels.ops.attention.flash_mla_sm120 import _validate_flashinfer_sparse_mla_backend
-from sglang.srt.arg_groups import overrides
 from sglang.srt.arg_groups.model_override_base import model_config_of, resolved_view
 from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
 from sglang.srt.runtime_context import create_context, use_context
-from sglang.srt.server_args import prepare_server_args
 
 from nsa_backend.routing import reset_config
 from nsa_backend_integrations.sglang import plugin
+from tests.integrations.sglang_layer_support import launch_server
 
-DENSE_THRESHOLD_ENV = "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"
 FP8_DS_MLA_ROW = 656  # scaled FP8 MLA row nsa-backend's ops read: 512 e4m3 + 4 fp32 scales + 64 bf16 rope
 MLA_ROW = 576  # kv_lora_rank + rope: bf16 rows, or TRT-LLM's raw FP8 rows (no scales)
 
@@ -81,15 +80,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def server(monkeypatch):
-    """``start(config_dir, major, *flags, takeover=False)``: parse, resolve on SM``major``x, check."""
+    """``start(config_dir, major, *flags, takeover=False, backend=..., full=True)``: parse, resolve on
+    SM``major``x, check (:func:`sglang_layer_support.launch_server`)."""
     plugin.register()
     monkeypatch.delenv("NSA_BACKEND_CONFIG", raising=False)
     monkeypatch.delenv("NSA_BACKEND_PREFILL", raising=False)
     monkeypatch.delenv("NSA_BACKEND_DECODE", raising=False)
-    # SGLang's DSA resolution writes this variable into os.environ; record its absence so the
-    # teardown removes it again (the layer tests of the same session read it).
-    monkeypatch.setenv(DENSE_THRESHOLD_ENV, "0")
-    monkeypatch.delenv(DENSE_THRESHOLD_ENV)
 
     def start(
         config_dir: str,
@@ -100,25 +96,7 @@ def server(monkeypatch):
         full: bool = True,
     ):
         monkeypatch.setattr(plugin, "_served", ("nsa_backend", "dsa", "nsa") if takeover else ("nsa_backend",))
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (major, 0))
-        monkeypatch.setenv("NSA_BACKEND_FORCE_ARCH", f"sm{major}0")
-        reset_config()
-        # The device is what SGLang detects on a GPU machine; this one has none.
-        argv = ["--model-path", config_dir, "--device", "cuda", *flags]
-        if backend is not None:
-            argv += ["--attention-backend", backend]
-        args = prepare_server_args(argv)
-        if full:
-            args.resolve_once()
-            args.check_server_args()
-            return args
-        # Only SGLang's DSA passes, the plugin's step after them, and nsa-backend's check: for flags
-        # that SGLang's own resolution or checks refuse earlier in a full launch.
-        overrides.run_post_process_pass(args, overrides._dsa_kv_cache_dtype_default)
-        overrides.run_post_process_pass(args, overrides._dsa_split_backend_resolution)
-        plugin.resolve_scaled_fp8_layout(args)
-        plugin.validate_server_args(args)
-        return args
+        return launch_server(monkeypatch, config_dir, major, *flags, backend=backend, full=full)
 
     yield start
     reset_config()
