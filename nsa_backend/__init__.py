@@ -12,10 +12,13 @@ from nsa_backend.dsa import TopkSelection, dsa_sparse_attention, dsa_topk
 
 # Lightning indexer
 from nsa_backend.indexer import (
+    fp8_fp4_mqa_logits,
+    fp8_fp4_paged_mqa_logits,
     fp8_mqa_logits,
     fp8_paged_mqa_logits,
     get_paged_mqa_logits_metadata,
     pack_indexer_k_cache,
+    pack_indexer_k_cache_fp4,
 )
 
 # Batch metadata
@@ -50,6 +53,8 @@ __all__ = [
     "dsa_sparse_attention",
     "dsa_topk",
     "flash_mla_sparse_fwd",
+    "fp8_fp4_mqa_logits",
+    "fp8_fp4_paged_mqa_logits",
     "fp8_mqa_logits",
     "fp8_paged_mqa_logits",
     "get_paged_mqa_logits_metadata",
@@ -57,6 +62,7 @@ __all__ = [
     "pack_fp8_ds_mla",
     "pack_fp8_ds_mla_v4",
     "pack_indexer_k_cache",
+    "pack_indexer_k_cache_fp4",
     "sparse_mla_decode",
     "tf32_hc_prenorm_gemm",
     "topk_indices",

@@ -54,6 +54,18 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "pack_indexer_k_cache": {
         "reference": f"{_REF}:pack_indexer_k_cache",
     },
+    # Lightning indexer over an MXFP4 key cache (DeepSeek-V4)
+    "fp8_fp4_mqa_logits": {
+        "reference": f"{_REF}:fp8_fp4_mqa_logits",
+        "triton": "nsa_backend.kernels.indexer_fp4:fp8_fp4_mqa_logits_triton",
+    },
+    "fp8_fp4_paged_mqa_logits": {
+        "reference": f"{_REF}:fp8_fp4_paged_mqa_logits",
+        "triton": "nsa_backend.kernels.indexer_fp4:fp8_fp4_paged_mqa_logits_triton",
+    },
+    "pack_indexer_k_cache_fp4": {
+        "reference": f"{_REF}:pack_indexer_k_cache_fp4",
+    },
     # Top-k selection
     "topk_indices": {
         "reference": f"{_REF}:topk_indices",

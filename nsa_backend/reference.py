@@ -611,3 +611,141 @@ def _sparse_mla_decode_two_lists(
         out[sl], lse[sl] = o, l_
     out = out.view(B, s_q, h_q, d_v).to(torch.bfloat16)
     return out, lse.view(B, s_q, h_q).transpose(1, 2).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# Lightning indexer with an MXFP4 key cache (DeepSeek-V4)
+# ----------------------------------------------------------------------------------------------
+
+# MXFP4: e2m1 values, two per byte (even element in the low nibble), one UE8M0 scale per 32 values.
+MXFP4_BLOCK = 32
+# Magnitudes of the eight e2m1 codes (the sign is bit 3).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+# Smallest amax used for an MXFP4 scale (all-zero blocks get the scale 2^-126, byte 1).
+MXFP4_AMAX_FLOOR = 6.0 * 2.0 ** -126
+
+
+def ue8m0_exponents(values: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(v))`` of positive fp32 ``values``, exactly (from the binary exponent), int32."""
+    mantissa, exponent = torch.frexp(values.float())  # v = m * 2^e, 0.5 <= m < 1
+    return torch.where(mantissa == 0.5, exponent - 1, exponent).to(torch.int32)
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 ``x`` to e2m1 codes (uint8 0..15): nearest value, ties to the even code, saturating at 6."""
+    a = x.abs()
+    # Between codes c and c + 1 the midpoint rounds up only when c + 1 is even (c odd).
+    code = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
+            + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
+    return (code | ((x < 0).int() << 3)).to(torch.uint8)
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 of the last axis (a multiple of 32): ``(packed [..., D/2] uint8, scales [..., D/32] uint8)``.
+
+    Block scale ``2^k`` with ``k = ceil(log2(max(amax, 6 * 2^-126) / 6))`` clipped to ``[-127, 127]``, stored as
+    the UE8M0 byte ``k + 127``; values ``x / 2^k`` rounded to e2m1 (nearest, ties to even, saturating).
+    """
+    xf = x.float()
+    D = xf.shape[-1]
+    blocks = xf.reshape(*xf.shape[:-1], D // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1).clamp(min=MXFP4_AMAX_FLOOR)
+    k = ue8m0_exponents(amax / E2M1_MAX).clamp(-127, 127)
+    codes = _e2m1_codes(blocks * torch.exp2(-k.double()).float()[..., None]).reshape(*xf.shape[:-1], D)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (k + 127).to(torch.uint8)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Values of MXFP4 rows: ``packed [..., D/2]`` and ``scales [..., D/32]`` (uint8) -> fp32 ``[..., D]``."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    p = packed.view(torch.uint8).long()
+    codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+    vals = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    scale = torch.exp2(scales.view(torch.uint8).double() - 127).float()
+    return (vals.reshape(*scale.shape, MXFP4_BLOCK) * scale[..., None]).reshape(vals.shape)
+
+
+def _indexer_q_values(q: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Tensor:
+    """fp32 queries: e4m3 ``q`` as is (``q_scale`` None), or MXFP4 ``q [..., D/2]`` with ``q_scale [..., D/32]``."""
+    return q.float() if q_scale is None else dequantize_mxfp4(q, q_scale)
+
+
+def fp8_fp4_mqa_logits(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+) -> torch.Tensor:
+    """Ragged logits over MXFP4 keys ``k [N, D/2]`` with scales ``k_scale [N, D/32]`` (uint8)."""
+    kf = dequantize_mxfp4(k, k_scale)
+    ones = torch.ones(kf.shape[0], dtype=torch.float32, device=kf.device)
+    return fp8_mqa_logits(_indexer_q_values(q, q_scale), (kf, ones), weights, cu_seq_len_k_start,
+                          cu_seq_len_k_end, clean_logits, max_seqlen_k)
+
+
+def unpack_indexer_k_cache_fp4(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a paged MXFP4 indexer cache ``[P, block_kv, (1,) D/2 + D/32]`` into
+    ``(packed [P, block_kv, D/2], scales [P, block_kv, D/32])`` uint8 (pages ``[data | scales]``)."""
+    P, block_kv = kv_cache.shape[0], kv_cache.shape[1]
+    half, ns = head_dim // 2, head_dim // MXFP4_BLOCK
+    flat = kv_cache.reshape(P, -1)[:, : block_kv * (half + ns)]
+    return (flat[:, : block_kv * half].reshape(P, block_kv, half),
+            flat[:, block_kv * half:].reshape(P, block_kv, ns))
+
+
+def fp8_fp4_paged_mqa_logits(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor | None,
+    max_context_len: int,
+    clean_logits: bool = False,
+) -> torch.Tensor:
+    """Paged logits over an MXFP4 cache; same visibility rules as :func:`fp8_paged_mqa_logits`."""
+    qf = _indexer_q_values(q, q_scale)  # [B, next_n, H, D]
+    B, next_n, H, D = qf.shape
+    block_kv, num_pages = kv_cache.shape[1], kv_cache.shape[0]
+    packed, scales = unpack_indexer_k_cache_fp4(kv_cache, D)
+    visible = _paged_visible_lengths(context_lens, next_n)
+    out = torch.full((B * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=qf.device)
+    w_rows = weights.reshape(B, next_n, H)
+    for b in range(B):
+        n_keys = min(int(visible[b * next_n: (b + 1) * next_n].max()), max_context_len) if next_n else 0
+        if n_keys <= 0:
+            continue
+        n_pages = min((n_keys + block_kv - 1) // block_kv, block_table.shape[1])
+        n_keys = min(n_keys, n_pages * block_kv)
+        pages = block_table[b, :n_pages].long()
+        bad_page = ((pages < 0) | (pages >= num_pages)).repeat_interleave(block_kv)[:n_keys]
+        pages = pages.clamp(0, max(num_pages - 1, 0))
+        k = dequantize_mxfp4(packed[pages], scales[pages]).reshape(-1, D)[:n_keys]
+        logits = _indexer_scores(qf[b], k, w_rows[b])  # [next_n, n_keys]
+        t = torch.arange(n_keys, device=qf.device)[None, :]
+        hidden = (t >= visible[b * next_n: (b + 1) * next_n, None]) | bad_page[None, :]
+        out[b * next_n: (b + 1) * next_n, :n_keys] = logits.masked_fill(hidden, float("-inf"))
+    return out
+
+
+def pack_indexer_k_cache_fp4(k: torch.Tensor, block_kv: int = 64) -> torch.Tensor:
+    """MXFP4 paged indexer cache of float keys ``[N, D]``: ``uint8 [ceil(N / block_kv), block_kv, 1, D/2 + D/32]``,
+    each page ``block_kv`` rows of packed values then ``block_kv`` rows of UE8M0 scales; unused slots zero."""
+    N, D = k.shape
+    P = (N + block_kv - 1) // block_kv
+    packed, scales = quantize_mxfp4(k)
+    half, ns = D // 2, D // MXFP4_BLOCK
+    values = torch.zeros(P * block_kv, half, dtype=torch.uint8, device=k.device)
+    sc = torch.zeros(P * block_kv, ns, dtype=torch.uint8, device=k.device)
+    values[:N] = packed
+    sc[:N] = scales
+    return torch.cat([values.view(P, block_kv * half), sc.view(P, block_kv * ns)], dim=1).view(
+        P, block_kv, 1, half + ns)

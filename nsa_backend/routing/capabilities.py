@@ -36,6 +36,7 @@ from nsa_backend.routing.device import CUDA_ARCHS, GPU_ARCHS
 
 OPS: tuple[str, ...] = (
     "fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "pack_indexer_k_cache",
+    "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "pack_indexer_k_cache_fp4",
     "topk_indices", "logical_to_global_indices",
     "flash_mla_sparse_fwd", "sparse_mla_decode",
     "pack_fp8_ds_mla", "unpack_fp8_ds_mla", "write_fp8_ds_mla_cache",
@@ -254,6 +255,8 @@ _TRITON_OPS = (
     "write_fp8_ds_mla_cache", "tf32_hc_prenorm_gemm",
     # DeepSeek-V4 KV cache (584-byte tokens): integer-only e4m3 / UE8M0 code, one kernel for every arch.
     "pack_fp8_ds_mla_v4", "unpack_fp8_ds_mla_v4", "write_fp8_ds_mla_v4_cache",
+    # Indexer over an MXFP4 key cache: e2m1 / e4m3 / UE8M0 decoded in software, fp16 MMAs, every arch.
+    "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits",
 )
 
 TABLE: tuple[Support, ...] = (

@@ -44,6 +44,9 @@ OP_FAMILY: dict[str, str | None] = {
     "get_paged_mqa_logits_metadata": "indexer",
     "fp8_paged_mqa_logits": "indexer",
     "pack_indexer_k_cache": "indexer",
+    "fp8_fp4_mqa_logits": "indexer",
+    "fp8_fp4_paged_mqa_logits": "indexer",
+    "pack_indexer_k_cache_fp4": "indexer",
     "topk_indices": "topk",
     "logical_to_global_indices": "topk",
     "flash_mla_sparse_fwd": "prefill",
@@ -61,7 +64,7 @@ _AUTO_ORDER: tuple[str, ...] = ("deep_gemm", "flash_mla", "flashinfer", "triton"
 
 # Ops whose reference is plain indexing and element-wise work: on a GPU it runs as a few fused torch
 # kernels at memory speed, so "reference" is their GPU route and not a fallback.
-TENSOR_OPS: frozenset[str] = frozenset({"pack_indexer_k_cache", "unpack_fp8_ds_mla"})
+TENSOR_OPS: frozenset[str] = frozenset({"pack_indexer_k_cache", "unpack_fp8_ds_mla", "pack_indexer_k_cache_fp4"})
 
 
 @dataclasses.dataclass(frozen=True)

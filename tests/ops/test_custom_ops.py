@@ -53,6 +53,36 @@ def test_compile_indexer_ops():
     _compiled_matches(lambda k: nb.pack_indexer_k_cache(k, 64), torch.randn(70, 64))
 
 
+def test_compile_indexer_fp4_ops():
+    from nsa_backend.reference import quantize_mxfp4
+
+    q8 = torch.randn(3, 5, 128).to(torch.float8_e4m3fn)
+    q4, q4s = quantize_mxfp4(torch.randn(3, 5, 128))
+    k, ks_ = quantize_mxfp4(torch.randn(20, 128))
+    k_scale = ks_.view(torch.int32).reshape(20)
+    w = torch.randn(3, 5)
+    ks = torch.tensor([0, 4, 19], dtype=torch.int32)
+    ke = torch.tensor([20, 9, 19], dtype=torch.int32)
+
+    def ragged(q, qs, k, s, w, ks, ke):
+        return nb.fp8_fp4_mqa_logits((q, qs), (k, s), w, ks, ke, 6, torch.bfloat16)
+
+    _compiled_matches(lambda q, k, s, w, ks, ke: nb.fp8_fp4_mqa_logits(q, (k, s), w, ks, ke), q8, k, k_scale, w, ks,
+                      ke)
+    _compiled_matches(ragged, q4, q4s.view(torch.int32).reshape(3, 5), k, k_scale, w, ks, ke)
+    cache = nb.pack_indexer_k_cache_fp4(torch.randn(100, 128), 64)
+    _compiled_matches(lambda x: nb.pack_indexer_k_cache_fp4(x, 64), torch.randn(100, 128))
+    ctx = torch.tensor([[60, 61], [0, 1]], dtype=torch.int32)
+    bt = torch.tensor([[1], [0]], dtype=torch.int32)
+
+    def paged(q, cache, w, ctx, bt):
+        meta = nb.get_paged_mqa_logits_metadata(ctx, 64, 4)
+        return nb.fp8_fp4_paged_mqa_logits(q, cache, w, ctx, bt, meta, 70)
+
+    _compiled_matches(paged, q8.reshape(3, 1, 5, 128)[:2].expand(2, 2, 5, 128).contiguous(), cache,
+                      torch.randn(4, 5), ctx, bt)
+
+
 def test_compile_topk_ops():
     t = mk.topk_args()
     g = mk.l2g_args()
