@@ -9,6 +9,7 @@ the assumed native packages. A bad one raises :class:`~nsa_backend._cli_errors.C
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import os
 import re
@@ -22,13 +23,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from nsa_backend._cli_errors import EXIT_INVALID, EXIT_OK, CliError, int_in_range, one_of
+from nsa_backend._dispatch import IMPLEMENTATIONS
 from nsa_backend.bench.cli import run_bench
 from nsa_backend.bench.runner import select
 from nsa_backend.indexer import MAX_NEXT_N
 from nsa_backend.models import load_model_config
 from nsa_backend.routing import capabilities as caps
 from nsa_backend.routing.config import CONFIG_ENV, FAMILY_ENV, Config, ConfigError, get_config, use_config
-from nsa_backend.routing.device import ModelInfo, detect_arch, device_summary, model_info
+from nsa_backend.routing.device import DEEPSEEK_V4, ModelInfo, detect_arch, device_summary, model_info
 from nsa_backend.routing.router import OP_FAMILY, TENSOR_OPS, Decision, plan_routes
 from nsa_backend.routing.validate import IMPL_CHOICES, ImplChoiceError, normalize_kv_dtype, validate_impl_choice
 from nsa_backend_integrations.sglang import settings as sglang_settings
@@ -198,7 +200,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 problems.append(f"{name} {status.version} is installed but does not import: {status.error}")
     out.print(nt)
 
-    kv = normalize_kv_dtype("auto", arch) if arch != "cpu" else "bfloat16"
+    # DeepSeek-V4 keeps its FP8 cache on every arch (see cmd_plan)
+    if info_model.family == DEEPSEEK_V4:
+        kv = "fp8_e4m3"
+    else:
+        kv = normalize_kv_dtype("auto", arch) if arch != "cpu" else "bfloat16"
     decisions = plan_routes(info_model, arch, kv_cache_dtype=kv, tp=args.tp, config=cfg)
     out.print(_route_table(f"routes on {arch} for {info_model.architecture} (tp={args.tp}, kv={kv})", decisions))
     if arch != "cpu":
@@ -218,6 +224,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 # plan
 # ----------------------------------------------------------------------------------------------
 
+# Ops that a native package implements but nsa-backend does not route to (no wrapper, no capability
+# row): where the package serves them, the framework's own call reaches it, not nsa-backend's route.
+UNROUTED_NATIVES: dict[str, str] = {
+    "fp8_fp4_mqa_logits": "DeepGEMM >= 2.4 has fp8_fp4_mqa_logits",
+    "fp8_fp4_paged_mqa_logits": "DeepGEMM >= 2.4 has fp8_fp4_paged_mqa_logits",
+}
+
+
+def _with_unrouted_native(decision: Decision) -> Decision:
+    """``decision`` with a note naming the native kernel that nsa-backend does not route ``op`` to."""
+    native = UNROUTED_NATIVES.get(decision.op)
+    if native is None or decision.source != "auto" or any(
+            impl in IMPLEMENTATIONS[decision.op] for impl in caps.NATIVE_IMPLS):
+        return decision
+    note = f"{native}, which nsa-backend does not route to (no deep_gemm implementation of {decision.op})"
+    return dataclasses.replace(decision, reason="; ".join(x for x in (decision.reason, note) if x))
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run ``nsa-backend plan``; an implementation choice that cannot run is a status-1 error."""
     cfg = load_checked_config(args.config)
@@ -227,7 +251,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     decode = one_of("--decode-impl", args.decode_impl, IMPL_CHOICES)
     next_n = int_in_range("--next-n", args.next_n, 1, MAX_NEXT_N, "query tokens per request: 1, or 2-4 with MTP")
     natives = assumed_natives(args.assume_natives) if args.assume_natives is not None else None
-    kv = normalize_kv_dtype(args.kv_cache_dtype, arch)
+    # DeepSeek-V4's cache is FP8 unless bf16 is asked for: vLLM maps --kv-cache-dtype auto to its fp8_ds_mla
+    # layout and SGLang's dsv4 backend stores FP8 (the 584-byte format) on every arch.
+    v4_auto = info.family == DEEPSEEK_V4 and args.kv_cache_dtype == "auto"
+    kv = "fp8_e4m3" if v4_auto else normalize_kv_dtype(args.kv_cache_dtype, arch)
     try:
         validate_impl_choice(info.architecture, arch, kv, prefill, decode, heads_per_gpu=heads)
     except ImplChoiceError as exc:
@@ -236,6 +263,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CliError(flags or "implementation choice", str(exc), EXIT_INVALID) from None
     decisions = plan_routes(info, arch, kv_cache_dtype=kv, tp=args.tp, prefill_impl=prefill, decode_impl=decode,
                             next_n=next_n, natives=natives, config=cfg)
+    decisions = [_with_unrouted_native(d) for d in decisions]
     title = (f"{info.architecture} on {arch}: tp={args.tp} (heads/rank {heads}), kv_cache_dtype={kv}, "
              f"prefill={prefill}, decode={decode}, next_n={next_n}")
     _console().print(_route_table(title, decisions))

@@ -281,3 +281,128 @@ def test_plan_indexer_falls_back_to_triton_with_the_reason(arch, index_heads, re
                      "--assume-natives", "deep_gemm=2.8.1"]) == 0
     impl, note = _plan_rows(capsys.readouterr().out)["fp8_mqa_logits"]
     assert impl == "triton" and "deep_gemm" in note and reason in note, (impl, note)
+
+
+# DeepSeek-V4: every op one attention layer calls (the FP8 indexer as SGLang calls it, the MXFP4 one as
+# vLLM does, the 584-byte cache ops), routed per arch.
+V4_OPS = {
+    "fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "pack_indexer_k_cache",
+    "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "pack_indexer_k_cache_fp4", "topk_indices",
+    "logical_to_global_indices", "flash_mla_sparse_fwd", "sparse_mla_decode", "pack_fp8_ds_mla_v4",
+    "write_fp8_ds_mla_v4_cache", "unpack_fp8_ds_mla_v4", "tf32_hc_prenorm_gemm",
+}
+V4_TENSOR_OPS = {"pack_indexer_k_cache", "pack_indexer_k_cache_fp4"}
+V4_NATIVES = "deep_gemm=2.8.1,flash_mla,flashinfer=0.7.2"
+
+
+def _plan_rows_wrapped(out: str) -> dict[str, tuple[str, str]]:
+    """``op -> (impl, whole note)`` from a plan table whose notes wrap onto continuation lines."""
+    rows: dict[str, tuple[str, str]] = {}
+    last = None
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if len(cells) != 5:
+            continue
+        if cells[1] in ("indexer", "topk", "prefill", "decode", "hc_prenorm"):
+            last = cells[0]
+            rows[last] = (cells[2], cells[4])
+        elif last is not None and not cells[0] and cells[4]:
+            impl, note = rows[last]
+            rows[last] = (impl, f"{note} {cells[4]}")
+    return rows
+
+
+def _v4_plan(arch: str, tp: int, capsys, *extra: str) -> tuple[str, dict[str, tuple[str, str]]]:
+    assert cli.main(["plan", "--model", "deepseek-v4", "--arch", arch, "--tp", str(tp),
+                     "--assume-natives", V4_NATIVES, *extra]) == 0
+    out = capsys.readouterr().out
+    return out, _plan_rows_wrapped(out)
+
+
+def test_plan_deepseek_v4_features_are_those_of_a_real_call():
+    """The features the plan routes are those the public ops report for a DeepSeek-V4 layer: the 584-byte
+    FP8 format at d_qk 512 with the per-GPU heads, 64 index heads for both indexers, MXFP4 queries."""
+    from nsa_backend.models import load_model_config
+    from nsa_backend.routing.device import model_info
+    from nsa_backend.routing.router import model_op_features
+
+    info = model_info(load_model_config("deepseek-v4"))
+    for tp in (1, 2, 4, 8):
+        ops = model_op_features(info, tp=tp, kv_cache_dtype="fp8_e4m3")
+        assert set(ops) == V4_OPS
+        assert ops["sparse_mla_decode"] == {"num_heads": 64 // tp, "d_qk": 512, "topk": 512, "s_q": 1,
+                                            "kv_format": "fp8_ds_mla_v4", "page_size": 64}
+        assert ops["flash_mla_sparse_fwd"] == {"num_heads": 64 // tp, "d_qk": 512, "topk": 512}
+        assert ops["fp8_fp4_paged_mqa_logits"]["num_heads"] == 64 and ops["fp8_fp4_paged_mqa_logits"]["q_fp4"]
+        assert ops["fp8_fp4_mqa_logits"]["num_heads"] == 64
+        assert ops["fp8_paged_mqa_logits"]["num_heads"] == 64 and ops["fp8_paged_mqa_logits"]["head_dim"] == 128
+        assert ops["tf32_hc_prenorm_gemm"] == {"n": 24, "k": 4 * 4096}
+    # a bf16 cache is the bf16 format, without the 584-byte cache ops
+    bf16 = model_op_features(info, kv_cache_dtype="bfloat16")
+    assert bf16["sparse_mla_decode"]["kv_format"] == "bf16"
+    assert not {"pack_fp8_ds_mla_v4", "write_fp8_ds_mla_v4_cache", "unpack_fp8_ds_mla_v4"} & set(bf16)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_plan_deepseek_v4_sm89_runs_every_op_on_ours_with_reasons(tp, monkeypatch, capsys):
+    """On SM89 no native kernel serves DeepSeek-V4: every op is ours (Triton, or the tensor-op reference
+    for the two packings), and the note of each op a native package has says why it does not serve."""
+    monkeypatch.setenv("COLUMNS", "300")
+    out, rows = _v4_plan("sm89", tp, capsys)
+    assert f"heads/rank {64 // tp}" in out and "kv_cache_dtype=fp8_e4m3" in out
+    assert set(rows) == V4_OPS
+    for op, (impl, note) in rows.items():
+        assert impl == ("reference" if op in V4_TENSOR_OPS else "triton"), (op, impl, note)
+    for op in ("fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "tf32_hc_prenorm_gemm"):
+        assert f"deep_gemm has no {op} kernel for sm89" in rows[op][1], rows[op]
+    for op in ("flash_mla_sparse_fwd", "sparse_mla_decode"):
+        assert f"flash_mla has no {op} kernel for sm89" in rows[op][1], rows[op]
+    assert "flashinfer has no sparse_mla_decode kernel for sm89" in rows["sparse_mla_decode"][1]
+    for op in ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits"):
+        assert f"DeepGEMM >= 2.4 has {op}" in rows[op][1] and "does not route" in rows[op][1], rows[op]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_plan_deepseek_v4_sm120_keeps_deep_gemm_where_it_serves(tp, monkeypatch, capsys):
+    """On SM120 DeepGEMM's SM120 kernels keep the FP8 indexer (64 index heads) and the mHC pre-norm GEMM;
+    V4 sparse MLA is ours: FlashMLA has no SM120 kernel and FlashInfer's decode takes d_qk 576 only."""
+    monkeypatch.setenv("COLUMNS", "300")
+    _, rows = _v4_plan("sm120", tp, capsys)
+    assert set(rows) == V4_OPS
+    for op, kernel in (("fp8_mqa_logits", "sm120_fp8_mqa_logits"),
+                       ("get_paged_mqa_logits_metadata", "sm120_paged_mqa_logits_metadata"),
+                       ("fp8_paged_mqa_logits", "sm120_fp8_paged_mqa_logits"),
+                       ("tf32_hc_prenorm_gemm", "sm120_tf32_hc_prenorm_gemm")):
+        assert rows[op][0] == "deep_gemm" and kernel in rows[op][1], (op, rows[op])
+    impl, note = rows["sparse_mla_decode"]
+    assert impl == "triton" and "flashinfer sparse_mla_decode on sm120: d_qk=512 is not in {576}" in note, note
+    impl, note = rows["flash_mla_sparse_fwd"]
+    assert impl == "triton" and "flash_mla has no flash_mla_sparse_fwd kernel for sm120" in note, note
+    for op in ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "pack_fp8_ds_mla_v4", "write_fp8_ds_mla_v4_cache",
+               "unpack_fp8_ds_mla_v4", "topk_indices", "logical_to_global_indices"):
+        assert rows[op][0] == "triton", (op, rows[op])
+
+
+@pytest.mark.parametrize(("tp", "padded"), [(1, None), (2, 64), (8, 64)])
+def test_plan_deepseek_v4_sm90_flash_mla_prefill_and_our_decode(tp, padded, monkeypatch, capsys):
+    """On SM90 FlashMLA serves the d_qk 512 sparse prefill (fewer than 64 heads padded to 64) and DeepGEMM
+    the FP8 indexer and mHC GEMM; the 584-byte decode is ours, with FlashMLA's d_qk limit as the reason."""
+    monkeypatch.setenv("COLUMNS", "300")
+    _, rows = _v4_plan("sm90", tp, capsys)
+    impl, note = rows["flash_mla_sparse_fwd"]
+    assert impl == "flash_mla", (impl, note)
+    assert ("num_heads padded to 64" in note) == (padded is not None), note
+    impl, note = rows["sparse_mla_decode"]
+    assert impl == "triton" and "flash_mla sparse_mla_decode on sm90: d_qk=512 is not in {576}" in note, note
+    for op in ("fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "tf32_hc_prenorm_gemm"):
+        assert rows[op][0] == "deep_gemm", (op, rows[op])
+    assert rows["fp8_fp4_paged_mqa_logits"][0] == "triton"
+
+
+def test_plan_deepseek_v4_bf16_cache_is_the_bf16_format(monkeypatch, capsys):
+    """An explicit bf16 cache routes the bf16 decode and lists none of the 584-byte cache ops."""
+    monkeypatch.setenv("COLUMNS", "300")
+    out, rows = _v4_plan("sm89", 1, capsys, "--kv-cache-dtype", "bf16")
+    assert "kv_cache_dtype=bfloat16" in out
+    assert rows["sparse_mla_decode"][0] == "triton"
+    assert "pack_fp8_ds_mla_v4" not in rows and "write_fp8_ds_mla_v4_cache" not in rows

@@ -33,7 +33,7 @@ import torch
 from nsa_backend import envs
 from nsa_backend.routing import capabilities as caps
 from nsa_backend.routing.config import Config, get_config
-from nsa_backend.routing.device import detect_arch
+from nsa_backend.routing.device import DEEPSEEK_V4, detect_arch
 
 logger = logging.getLogger("nsa_backend")
 
@@ -341,26 +341,49 @@ def get_padded_heads(op: str, impl: str, num_heads: int, device: torch.device | 
 def model_op_features(info: Any, *, tp: int = 1, kv_cache_dtype: str = "fp8_e4m3", next_n: int = 1,
                       page_size: int = 64) -> dict[str, dict[str, Any]]:
     """Shape features of every op one attention layer of ``info`` (a :class:`ModelInfo`) calls, as
-    the public ops report them to :func:`select_impl`."""
+    the public ops report them to :func:`select_impl`.
+
+    DeepSeek-V3.2 / GLM-5 (``d_qk`` 576) keep an FP8 cache in the 656-byte ``fp8_ds_mla`` format.
+    DeepSeek-V4 (``d_qk`` 512) keeps its FP8 cache in the 584-byte ``fp8_ds_mla_v4`` format, written
+    and read by the V4 cache ops, and its indexer is listed twice: the FP8 key cache
+    (``fp8_*mqa_logits``, as SGLang calls it) and the MXFP4 key cache with MXFP4 queries
+    (``fp8_fp4_*mqa_logits``, as vLLM calls it). A bf16 cache is the ``bf16`` format for every model.
+    """
     heads = info.heads_per_rank(tp)
     fp8 = kv_cache_dtype in ("fp8_e4m3", "fp8", "fp8_ds_mla")
-    kv_format = "fp8_ds_mla" if fp8 and info.d_qk == 576 else "bf16"
+    v4 = info.family == DEEPSEEK_V4
+    if not fp8:
+        kv_format = "bf16"
+    elif v4:
+        kv_format = "fp8_ds_mla_v4"
+    else:
+        kv_format = "fp8_ds_mla" if info.d_qk == 576 else "bf16"
     ops: dict[str, dict[str, Any]] = {
         "fp8_mqa_logits": {"num_heads": info.index_n_heads, "head_dim": info.index_head_dim, "compressed": False},
         "get_paged_mqa_logits_metadata": {"page_size": page_size},
         "fp8_paged_mqa_logits": {"num_heads": info.index_n_heads, "head_dim": info.index_head_dim,
                                  "next_n": next_n, "page_size": page_size, "context_lens_2d": True},
         "pack_indexer_k_cache": {},
-        "topk_indices": {"topk": info.index_topk},
-        "logical_to_global_indices": {"page_size": page_size},
-        "flash_mla_sparse_fwd": {"num_heads": heads, "d_qk": info.d_qk, "topk": info.index_topk},
-        "sparse_mla_decode": {"num_heads": heads, "d_qk": info.d_qk, "topk": info.index_topk, "s_q": next_n,
-                              "kv_format": kv_format, "page_size": page_size},
     }
+    if v4:
+        # The FP4 indexer's head dim is fixed (128) by its 68-byte rows, so it is no feature of the op.
+        ops["fp8_fp4_mqa_logits"] = {"num_heads": info.index_n_heads, "q_fp4": True, "compressed": False}
+        ops["fp8_fp4_paged_mqa_logits"] = {"num_heads": info.index_n_heads, "next_n": next_n,
+                                           "page_size": page_size, "q_fp4": True, "context_lens_2d": True}
+        ops["pack_indexer_k_cache_fp4"] = {}
+    ops["topk_indices"] = {"topk": info.index_topk}
+    ops["logical_to_global_indices"] = {"page_size": page_size}
+    ops["flash_mla_sparse_fwd"] = {"num_heads": heads, "d_qk": info.d_qk, "topk": info.index_topk}
+    ops["sparse_mla_decode"] = {"num_heads": heads, "d_qk": info.d_qk, "topk": info.index_topk, "s_q": next_n,
+                                "kv_format": kv_format, "page_size": page_size}
     if kv_format == "fp8_ds_mla":
         ops["pack_fp8_ds_mla"] = {}
         ops["write_fp8_ds_mla_cache"] = {}
         ops["unpack_fp8_ds_mla"] = {}
+    elif kv_format == "fp8_ds_mla_v4":
+        ops["pack_fp8_ds_mla_v4"] = {}
+        ops["write_fp8_ds_mla_v4_cache"] = {}
+        ops["unpack_fp8_ds_mla_v4"] = {}
     if info.hc_mult:
         ops["tf32_hc_prenorm_gemm"] = {"n": info.hc_mult * (2 + info.hc_mult), "k": info.hc_mult * info.hidden_size}
     return ops

@@ -11,6 +11,10 @@ router keeps V4 calls off kernels of other cache formats.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import random
+
 import pytest
 import torch
 
@@ -240,3 +244,136 @@ def test_native_decode_kernels_refuse_the_v4_format():
     for impl, arch in (("flash_mla", "sm90"), ("flashinfer", "sm120")):
         with pytest.raises(ValueError, match=f"impl={impl!r} is not usable on {arch}: .*(d_qk=512|kv_format)"):
             router.decide("sparse_mla_decode", impl, arch, FEATURES, natives=natives)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU fuzz: the Triton kernel on the GPU against the reference on the CPU
+# ----------------------------------------------------------------------------------------------
+
+FUZZ_CASES = int(os.environ.get("NSA_FUZZ_CASES", "300"))
+FUZZ_TOPK = (1, 7, 64, 100, 128, 333, 512, 1000, 1024, 1152, 2048)
+FUZZ_EXTRA_TOPK = (1, 64, 128, 129, 200)
+
+
+@dataclasses.dataclass(frozen=True)
+class FuzzCase:
+    """One seeded V4 decode call: shapes, page sizes, which optional inputs are given."""
+
+    seed: int
+    B: int
+    s_q: int
+    h_q: int
+    topk: int
+    page: int
+    blocks: int
+    invalid: float          # share of -1 entries in the index lists
+    lengths: bool           # topk_length / extra_topk_length given
+    sinks: bool
+    extra_topk: int | None  # None: no second key list
+    extra_page: int
+    extra_blocks: int
+    sm_scale: float
+
+    def describe(self) -> str:
+        return (f"seed={self.seed} B={self.B} s_q={self.s_q} h_q={self.h_q} topk={self.topk} page={self.page}x"
+                f"{self.blocks} invalid={self.invalid} lengths={self.lengths} sinks={self.sinks} "
+                f"extra={self.extra_topk} ({self.extra_page}x{self.extra_blocks})")
+
+
+def fuzz_cases(n: int = FUZZ_CASES) -> list[FuzzCase]:
+    """``n`` seeded cases: h_q 1..128 (the framework buckets and arbitrary counts), topk powers of two and
+    not, page sizes 64 and 256 for both caches, extras on / off, -1 entries (none to all), lengths, sinks."""
+    rng = random.Random(30)
+    cases = []
+    for seed in range(n):
+        h_q = rng.choice((1, 2, 8, 16, 32, 64, 128)) if rng.random() < 0.5 else rng.randint(1, 128)
+        page = rng.choice((64, 256))
+        extra_page = rng.choice((64, 256))
+        cases.append(FuzzCase(
+            seed=seed, B=rng.randint(1, 4), s_q=rng.choice((1, 1, 2, 4)), h_q=h_q, topk=rng.choice(FUZZ_TOPK),
+            page=page, blocks=rng.randint(1, 1024 // page), invalid=rng.choice((0.0, 0.1, 0.5, 1.0)),
+            lengths=rng.random() < 0.7, sinks=rng.random() < 0.5,
+            extra_topk=rng.choice(FUZZ_EXTRA_TOPK) if rng.random() < 0.6 else None, extra_page=extra_page,
+            extra_blocks=rng.randint(1, 512 // extra_page), sm_scale=512 ** -0.5 * rng.uniform(0.5, 2.0)))
+    return cases
+
+
+def _fuzz_cache(blocks: int, page: int, gen: torch.Generator, pad: int, device: str) -> torch.Tensor:
+    """Block-split V4 cache on ``device``, pages ``pad`` bytes apart beyond their size."""
+    kv = (torch.randn(blocks * page, 512, generator=gen) * 2).bfloat16()
+    rows = nb.pack_fp8_ds_mla_v4(kv, impl="reference").view(blocks, page, 584)
+    buf = torch.full((blocks, page * 584 + pad), 0xFF, dtype=torch.uint8)
+    buf[:, :page * 576] = rows[:, :, :576].reshape(blocks, -1)
+    buf[:, page * 576:page * 584] = rows[:, :, 576:].reshape(blocks, -1)
+    return buf.to(device)[:, :page * 584].view(blocks, page, 584)
+
+
+def _fuzz_indices(c: FuzzCase, topk: int, n_slots: int, gen: torch.Generator) -> torch.Tensor:
+    idx = torch.randint(0, n_slots, (c.B, c.s_q, topk), generator=gen, dtype=torch.int32)
+    idx[torch.rand(c.B, c.s_q, topk, generator=gen) < c.invalid] = -1
+    return idx
+
+
+def fuzz_inputs(c: FuzzCase, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """``(q, kv_cache, indices, keyword arguments)`` of case ``c`` on ``device`` (same values on every device)."""
+    gen = torch.Generator().manual_seed(c.seed)
+    main = _fuzz_cache(c.blocks, c.page, gen, pad=rng_pad(c), device=device)
+    q = torch.randn(c.B, c.s_q, c.h_q, 512, generator=gen).bfloat16()
+    idx = _fuzz_indices(c, c.topk, c.blocks * c.page, gen)
+    kw: dict = {"kv_format": V4}
+    if c.lengths:
+        kw["topk_length"] = torch.randint(0, c.topk + 1, (c.B,), generator=gen, dtype=torch.int32)
+    if c.sinks:
+        kw["attn_sink"] = torch.randn(c.h_q, generator=gen) * 2
+    if c.extra_topk is not None:
+        kw["extra_kv_cache"] = _fuzz_cache(c.extra_blocks, c.extra_page, gen, pad=0, device=device)
+        kw["extra_indices"] = _fuzz_indices(c, c.extra_topk, c.extra_blocks * c.extra_page, gen)
+        if c.lengths:
+            kw["extra_topk_length"] = torch.randint(0, c.extra_topk + 1, (c.B,), generator=gen, dtype=torch.int32)
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) and k != "extra_kv_cache" else v for k, v in kw.items()}
+    return q.to(device), main, idx.to(device), kw
+
+
+def rng_pad(c: FuzzCase) -> int:
+    """Page padding of the main cache: none, or a stride that is not a multiple of 16 bytes."""
+    return (0, 40, 584)[c.seed % 3]
+
+
+def _fuzz_check(c: FuzzCase, device: str) -> None:
+    q, main, idx, kw = fuzz_inputs(c, device)
+    out, lse = nb.sparse_mla_decode(q, main, idx, c.sm_scale, impl="triton", **kw)
+    q, main, idx, kw = fuzz_inputs(c, "cpu")
+    want_out, want_lse = nb.sparse_mla_decode(q, main, idx, c.sm_scale, impl="reference", **kw)
+    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=1.6e-2, rtol=1.6e-2, msg=c.describe())
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-4, rtol=1e-4, msg=c.describe())
+
+
+def test_fuzz_cases_are_valid_inputs():
+    """Every fuzz case passes the public op's checks (the call gets as far as routing, which refuses
+    FlashMLA for CPU tensors), and the cases cover what the fuzz promises."""
+    cases = fuzz_cases()
+    assert len(cases) >= 300
+    for c in cases:
+        q, main, idx, kw = fuzz_inputs(c, "cpu")
+        with pytest.raises(ValueError, match="impl='flash_mla' is not usable on cpu: flash_mla needs a GPU"):
+            nb.sparse_mla_decode(q, main, idx, c.sm_scale, impl="flash_mla", **kw)
+    heads = {c.h_q for c in cases}
+    assert {1, 128} <= heads and len(heads) > 40
+    assert {c.page for c in cases} == {64, 256} == {c.extra_page for c in cases if c.extra_topk}
+    assert {c.topk for c in cases} == set(FUZZ_TOPK)
+    for flags in ({c.extra_topk is None for c in cases}, {c.sinks for c in cases}, {c.lengths for c in cases}):
+        assert flags == {True, False}
+    assert {c.invalid for c in cases} == {0.0, 0.1, 0.5, 1.0}
+
+
+def test_fuzz_case_runs_in_the_interpreter():
+    """One small fuzz case (extras, lengths, sinks, 256-token pages) through the Triton kernel on CPU."""
+    c = next(c for c in fuzz_cases() if c.h_q <= 16 and c.topk <= 128 and c.extra_topk is not None and c.lengths
+             and c.sinks and 0 < c.invalid < 1 and 256 in (c.page, c.extra_page) and c.B * c.s_q <= 4)
+    _fuzz_check(c, "cpu")
+
+
+@pytest.mark.gpu
+def test_fuzz_sparse_mla_v4_decode_gpu():
+    for c in fuzz_cases():
+        _fuzz_check(c, "cuda")
