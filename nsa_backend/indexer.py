@@ -178,12 +178,17 @@ def _(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_contex
 
 def _check_indexer_cache(kv_cache: torch.Tensor, head_dim: int, device: torch.device) -> torch.Tensor:
     """Accept ``[P, block_kv, 1, D + 4]`` or ``[P, block_kv, D + 4]`` uint8; return the 4-D view."""
+    return _check_paged_rows(kv_cache, head_dim + 4, f" (D + 4 = {head_dim + 4})", device)
+
+
+def _check_paged_rows(kv_cache: torch.Tensor, width: int, what: str, device: torch.device) -> torch.Tensor:
+    """A paged key cache of ``width``-byte token rows (``what``: what a row holds, for the error), as 4-D."""
     check_tensor(kv_cache, "kv_cache", dtype=torch.uint8, ndim=(3, 4), device=device)
     if kv_cache.dim() == 3:
         kv_cache = kv_cache.unsqueeze(2)
-    _, block_kv, one, width = kv_cache.shape
-    if one != 1 or width != head_dim + 4:
-        raise ValueError(f"kv_cache: expected shape [num_blocks, block_kv, 1, D + 4 = {head_dim + 4}], "
+    _, block_kv, one, row = kv_cache.shape
+    if one != 1 or row != width:
+        raise ValueError(f"kv_cache: expected shape [num_blocks, block_kv, 1, {width}]{what}, "
                          f"got {tuple(kv_cache.shape)}")
     check_int(block_kv, "kv_cache.shape[1] (block_kv)", choices=BLOCK_KV_CHOICES)
     page_bytes = block_kv * width
@@ -460,19 +465,7 @@ def _(q, q_scale, kv_cache, weights, context_lens, block_table, schedule_meta, m
 
 def _check_fp4_cache(kv_cache: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Accept ``[P, block_kv, 1, 68]`` or ``[P, block_kv, 68]`` uint8 with contiguous pages; return 4-D."""
-    check_tensor(kv_cache, "kv_cache", dtype=torch.uint8, ndim=(3, 4), device=device)
-    if kv_cache.dim() == 3:
-        kv_cache = kv_cache.unsqueeze(2)
-    _, block_kv, one, width = kv_cache.shape
-    if one != 1 or width != FP4_ROW_BYTES:
-        raise ValueError(f"kv_cache: expected shape [num_blocks, block_kv, 1, {FP4_ROW_BYTES}] (64 packed e2m1 "
-                         f"bytes + 4 UE8M0 bytes per token), got {tuple(kv_cache.shape)}")
-    check_int(block_kv, "kv_cache.shape[1] (block_kv)", choices=BLOCK_KV_CHOICES)
-    page_bytes = block_kv * width
-    if kv_cache.stride(3) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) < page_bytes:
-        raise ValueError(f"kv_cache: expected each page to be contiguous (strides [>= {page_bytes}, {width}, *, 1]), "
-                         f"got strides {tuple(kv_cache.stride())}")
-    return kv_cache
+    return _check_paged_rows(kv_cache, FP4_ROW_BYTES, " (64 packed e2m1 bytes + 4 UE8M0 bytes per token)", device)
 
 
 def fp8_fp4_paged_mqa_logits(

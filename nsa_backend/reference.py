@@ -10,6 +10,7 @@ Inputs are assumed valid: the public ops in ``nsa_backend`` validate before call
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -127,13 +128,33 @@ def fp8_paged_mqa_logits(
     max_context_len: int,
     clean_logits: bool = False,
 ) -> torch.Tensor:
-    B, next_n, H, D = q.shape
-    block_kv = kv_cache.shape[1]
-    num_pages = kv_cache.shape[0]
+    D = q.shape[-1]
     values, scales = unpack_indexer_k_cache(kv_cache, D)
+
+    def page_keys(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Index the bytes: older torch has no CPU indexing kernel for float8.
+        return values.view(torch.uint8)[pages].view(FP8).reshape(-1, D), scales[pages].reshape(-1)
+
+    return _paged_logits(q, weights, context_lens, block_table, max_context_len, kv_cache.shape[1],
+                         kv_cache.shape[0], page_keys)
+
+
+def _paged_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_context_len: int,
+    block_kv: int,
+    num_pages: int,
+    page_keys: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
+) -> torch.Tensor:
+    """Paged indexer logits ``[B * next_n, max_context_len]`` of queries ``q [B, next_n, H, D]``;
+    ``page_keys(pages)`` gives the keys of those pages ``[len(pages) * block_kv, D]`` and their
+    per-key scales (or None when the keys carry them)."""
+    B, next_n, H, _ = q.shape
     visible = _paged_visible_lengths(context_lens, next_n)  # [B * next_n]
     out = torch.full((B * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=q.device)
-    q_rows = q.reshape(B, next_n, H, D)
     w_rows = weights.reshape(B, next_n, H)
     for b in range(B):
         n_keys = min(int(visible[b * next_n: (b + 1) * next_n].max()), max_context_len) if next_n else 0
@@ -144,14 +165,12 @@ def fp8_paged_mqa_logits(
         pages = block_table[b, :n_pages].long()
         # A page id outside the cache is treated as holding no visible key.
         bad_page = ((pages < 0) | (pages >= num_pages)).repeat_interleave(block_kv)[:n_keys]
-        pages = pages.clamp(0, max(num_pages - 1, 0))
-        # Index the bytes: older torch has no CPU indexing kernel for float8.
-        k = values.view(torch.uint8)[pages].view(FP8).reshape(-1, D)[:n_keys]  # [n_keys, D]
-        ks = scales[pages].reshape(-1)[:n_keys]
-        logits = _indexer_scores(q_rows[b], k, w_rows[b]) * ks[None, :]  # [next_n, n_keys]
+        k, ks = page_keys(pages.clamp(0, max(num_pages - 1, 0)))
+        logits = _indexer_scores(q[b], k[:n_keys], w_rows[b])  # [next_n, n_keys]
+        if ks is not None:
+            logits = logits * ks[None, :n_keys]
         t = torch.arange(n_keys, device=q.device)[None, :]
-        vis = visible[b * next_n: (b + 1) * next_n, None]
-        hidden = (t >= vis) | bad_page[None, :]
+        hidden = (t >= visible[b * next_n: (b + 1) * next_n, None]) | bad_page[None, :]
         out[b * next_n: (b + 1) * next_n, :n_keys] = logits.masked_fill(hidden, float("-inf"))
     return out
 
@@ -713,27 +732,14 @@ def fp8_fp4_paged_mqa_logits(
 ) -> torch.Tensor:
     """Paged logits over an MXFP4 cache; same visibility rules as :func:`fp8_paged_mqa_logits`."""
     qf = _indexer_q_values(q, q_scale)  # [B, next_n, H, D]
-    B, next_n, H, D = qf.shape
-    block_kv, num_pages = kv_cache.shape[1], kv_cache.shape[0]
+    D = qf.shape[-1]
     packed, scales = unpack_indexer_k_cache_fp4(kv_cache, D)
-    visible = _paged_visible_lengths(context_lens, next_n)
-    out = torch.full((B * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=qf.device)
-    w_rows = weights.reshape(B, next_n, H)
-    for b in range(B):
-        n_keys = min(int(visible[b * next_n: (b + 1) * next_n].max()), max_context_len) if next_n else 0
-        if n_keys <= 0:
-            continue
-        n_pages = min((n_keys + block_kv - 1) // block_kv, block_table.shape[1])
-        n_keys = min(n_keys, n_pages * block_kv)
-        pages = block_table[b, :n_pages].long()
-        bad_page = ((pages < 0) | (pages >= num_pages)).repeat_interleave(block_kv)[:n_keys]
-        pages = pages.clamp(0, max(num_pages - 1, 0))
-        k = dequantize_mxfp4(packed[pages], scales[pages]).reshape(-1, D)[:n_keys]
-        logits = _indexer_scores(qf[b], k, w_rows[b])  # [next_n, n_keys]
-        t = torch.arange(n_keys, device=qf.device)[None, :]
-        hidden = (t >= visible[b * next_n: (b + 1) * next_n, None]) | bad_page[None, :]
-        out[b * next_n: (b + 1) * next_n, :n_keys] = logits.masked_fill(hidden, float("-inf"))
-    return out
+
+    def page_keys(pages: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return dequantize_mxfp4(packed[pages], scales[pages]).reshape(-1, D), None
+
+    return _paged_logits(qf, weights, context_lens, block_table, max_context_len, kv_cache.shape[1],
+                         kv_cache.shape[0], page_keys)
 
 
 def pack_indexer_k_cache_fp4(k: torch.Tensor, block_kv: int = 64) -> torch.Tensor:
