@@ -53,6 +53,23 @@ def gather_indexer_keys(index_k_cache: torch.Tensor, slots: torch.Tensor,
     return k.contiguous(), k_scale
 
 
+# Dtypes the index scores may be ranked in (vLLM's ``attention_config.indexer_logits_dtype``).
+LOGITS_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+
+
+def in_logits_dtype(logits: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scores rounded to ``logits_dtype`` and held in fp32 for the top-k (-inf stays -inf).
+
+    A framework that emits its scores in bf16 ranks those: rounding here selects the same keys
+    (bf16 scores tie where fp32 ones differ). ``ValueError`` for a dtype not in :data:`LOGITS_DTYPES`.
+    """
+    if logits_dtype not in LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype: expected one of {[str(d) for d in LOGITS_DTYPES]}, got {logits_dtype!r}")
+    if logits_dtype == torch.float32:
+        return logits
+    return logits.to(logits_dtype).to(torch.float32)
+
+
 def decode_topk_positions(
     dec: DecodeBatch,
     q: torch.Tensor,
@@ -61,11 +78,13 @@ def decode_topk_positions(
     topk: int,
     *,
     num_sms: int = DEFAULT_NUM_SMS,
+    logits_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Paged indexer + top-k of the decode tokens (rows ``[0, dec.num_tokens)`` of ``q`` / ``weights``).
 
-    Returns ``[dec.num_tokens, topk]`` int32 key positions inside each token's request, -1: none.
+    The scores are ranked as ``logits_dtype`` values (see :func:`in_logits_dtype`). Returns
+    ``[dec.num_tokens, topk]`` int32 key positions inside each token's request, -1: none.
     """
     H, D = q.shape[1], q.shape[2]
     rows = slice(0, dec.num_tokens)
@@ -75,7 +94,7 @@ def decode_topk_positions(
     logits = fp8_paged_mqa_logits(q[rows].reshape(dec.num_reqs, dec.next_n, H, D), index_k_cache,
                                   weights[rows].contiguous(), dec.context_lens, dec.row_block_table(),
                                   meta, dec.max_context_len, clean_logits=True, impl=impl)
-    return topk_indices(logits, topk, ends=dec.context_lens.reshape(-1), impl=impl)
+    return topk_indices(in_logits_dtype(logits, logits_dtype), topk, ends=dec.context_lens.reshape(-1), impl=impl)
 
 
 def prefill_topk_positions(
@@ -87,6 +106,7 @@ def prefill_topk_positions(
     *,
     keys: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_seqlen_k: int = 0,
+    logits_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Ragged indexer + top-k of the prefill tokens (rows ``pre.token_start ..`` of ``q`` / ``weights``).
@@ -98,6 +118,8 @@ def prefill_topk_positions(
     max_seqlen_k : int
         When > 0, an upper bound of ``cu_seq_len_k_end - cu_seq_len_k_start``: the logits are kept
         in ``[T_p, max_seqlen_k]`` (each row from its own window start) instead of ``[T_p, K_total]``.
+    logits_dtype : torch.dtype
+        The scores are ranked as values of this dtype (see :func:`in_logits_dtype`).
 
     Returns
     -------
@@ -111,6 +133,7 @@ def prefill_topk_positions(
     ks, ke = pre.cu_seq_len_k_start, pre.cu_seq_len_k_end
     logits = fp8_mqa_logits(q[rows].contiguous(), keys, weights[rows].contiguous(), ks, ke,
                             clean_logits=True, max_seqlen_k=max_seqlen_k, impl=impl)
+    logits = in_logits_dtype(logits, logits_dtype)
     if max_seqlen_k > 0:
         return topk_indices(logits, topk, ends=ke - ks, impl=impl)
     chosen = topk_indices(logits, topk, ks, ke, impl=impl)

@@ -228,3 +228,14 @@ def test_prefill_positions_in_compressed_logits():
                 if int(b["block_table"][r, p // PAGE]) * PAGE + p % PAGE in want_sets[t0 + i]}
         assert {p for p in full[i].tolist() if p >= 0} == want, f"prefill token {i}"
         assert {p for p in windowed[i].tolist() if p >= 0} == want, f"prefill token {i} (windowed)"
+
+
+def test_scores_ranked_in_logits_dtype():
+    from nsa_backend.dsa import in_logits_dtype
+
+    logits = torch.tensor([[1.0, 1.0 + 2.0**-10, float("-inf")]])
+    assert torch.equal(in_logits_dtype(logits, torch.float32), logits)
+    rounded = in_logits_dtype(logits, torch.bfloat16)
+    assert rounded.dtype == torch.float32 and rounded[0, 0] == rounded[0, 1] and rounded[0, 2] == float("-inf")
+    with pytest.raises(ValueError, match="logits_dtype"):
+        in_logits_dtype(logits, torch.float16)

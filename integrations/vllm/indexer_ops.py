@@ -11,9 +11,9 @@ scoring keys into vLLM's shared ``topk_indices_buffer`` ``[max_tokens, >= index_
 
 vLLM's indexer metadata (``DeepseekV32IndexerMetadata``) is adapted to nsa-backend's
 :class:`~nsa_backend.metadata.DecodeBatch` (its decode part) and one
-:class:`~nsa_backend.metadata.PrefillBatch` per prefill chunk; the scores are
-:func:`nsa_backend.fp8_paged_mqa_logits` (decode) and :func:`nsa_backend.fp8_mqa_logits` (prefill),
-rounded to vLLM's ``logits_dtype``, and the top-k :func:`nsa_backend.topk_indices`.
+:class:`~nsa_backend.metadata.PrefillBatch` per prefill chunk; the scores and top-k are
+:func:`nsa_backend.dsa.decode_topk_positions` and :func:`nsa_backend.dsa.prefill_topk_positions`,
+ranked in vLLM's ``logits_dtype``.
 """
 
 from __future__ import annotations
@@ -22,16 +22,11 @@ from typing import Any
 
 import torch
 
-import nsa_backend
-from nsa_backend.dsa import gather_indexer_keys
+from nsa_backend.dsa import LOGITS_DTYPES, decode_topk_positions, gather_indexer_keys, prefill_topk_positions
 from nsa_backend.metadata import DecodeBatch, PrefillBatch, request_key_slots
 
 FP8_MAX = 448.0
 SCALE_EPS = 1e-4
-# Dtypes vLLM's ``logits_dtype`` may ask the index scores in (``--attention-config.indexer_logits_dtype``).
-LOGITS_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
-
-
 def check_logits_dtype(logits_dtype: Any) -> torch.dtype:
     """``logits_dtype`` when the index scores can be produced in it; ``ValueError`` naming it otherwise."""
     if logits_dtype not in LOGITS_DTYPES:
@@ -40,65 +35,6 @@ def check_logits_dtype(logits_dtype: Any) -> torch.dtype:
             f"{[str(d) for d in LOGITS_DTYPES]} (vLLM's attention_config.indexer_logits_dtype)"
         )
     return logits_dtype
-
-
-def _in_logits_dtype(logits: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 scores rounded to ``logits_dtype``, held in fp32 for the top-k (-inf stays -inf).
-
-    vLLM's kernels emit the scores in ``logits_dtype`` and rank those; rounding here selects the
-    same keys (bf16 scores tie where fp32 ones differ).
-    """
-    if logits_dtype == torch.float32:
-        return logits
-    return logits.to(logits_dtype).to(torch.float32)
-
-
-def decode_topk_positions(
-    dec: DecodeBatch,
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    index_k_cache: torch.Tensor,
-    topk: int,
-    logits_dtype: torch.dtype,
-    num_sms: int,
-) -> torch.Tensor:
-    """Paged index scores in ``logits_dtype`` and their top-k for the decode rows of ``dec``.
-
-    Returns ``[dec.num_tokens, topk]`` int32 key positions inside each token's request, -1: none.
-    """
-    heads, dim = q.shape[1], q.shape[2]
-    rows = slice(0, dec.num_tokens)
-    meta = dec.schedule_meta
-    if meta is None:
-        meta = nsa_backend.get_paged_mqa_logits_metadata(dec.context_lens, index_k_cache.shape[1], num_sms)
-    logits = nsa_backend.fp8_paged_mqa_logits(
-        q[rows].reshape(dec.num_reqs, dec.next_n, heads, dim), index_k_cache, weights[rows].contiguous(),
-        dec.context_lens, dec.row_block_table(), meta, dec.max_context_len, clean_logits=True,
-    )
-    return nsa_backend.topk_indices(_in_logits_dtype(logits, logits_dtype), topk, ends=dec.context_lens.reshape(-1))
-
-
-def prefill_topk_positions(
-    pre: PrefillBatch,
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: tuple[torch.Tensor, torch.Tensor],
-    topk: int,
-    logits_dtype: torch.dtype,
-    max_seqlen_k: int,
-) -> torch.Tensor:
-    """Ragged index scores in ``logits_dtype`` and their top-k for the rows of ``pre``.
-
-    ``keys`` are ``(k [K, D] e4m3, k_scale [K] fp32)`` of ``pre.key_slots``; the logits are kept in
-    ``[T_p, max_seqlen_k]`` (each row from its own window start). Returns ``[T_p, topk]`` int32
-    positions inside each token's request (offsets from ``cu_seq_len_k_start``), -1: none.
-    """
-    rows = slice(pre.token_start, pre.token_start + pre.num_tokens)
-    ks, ke = pre.cu_seq_len_k_start, pre.cu_seq_len_k_end
-    logits = nsa_backend.fp8_mqa_logits(
-        q[rows].contiguous(), keys, weights[rows].contiguous(), ks, ke, clean_logits=True, max_seqlen_k=max_seqlen_k
-    )
-    return nsa_backend.topk_indices(_in_logits_dtype(logits, logits_dtype), topk, ends=ke - ks)
 
 
 def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -191,7 +127,8 @@ def prefill_topk(
             out.fill_(-1)
             continue
         width = max(int(chunk.max_seqlen_k), 1)
-        out.copy_(prefill_topk_positions(pre, q_fp8, w, keys, topk_tokens, logits_dtype, width))
+        out.copy_(prefill_topk_positions(pre, q_fp8, w, kv_cache, topk_tokens, keys=keys, max_seqlen_k=width,
+                                         logits_dtype=logits_dtype))
 
 
 def decode_batch(decode: Any, num_decode_tokens: int, max_model_len: int) -> DecodeBatch:
@@ -265,7 +202,8 @@ def decode_topk(
     dec = decode_batch(decode, num_decode_tokens, max_model_len)
     cache = kv_cache if kv_cache.dim() == 4 else kv_cache.unsqueeze(2)
     topk_indices_buffer[:num_decode_tokens, :topk_tokens] = decode_topk_positions(
-        dec, q_fp8, weights[:num_decode_tokens].float(), cache, topk_tokens, logits_dtype, _num_sms(q_fp8.device)
+        dec, q_fp8, weights[:num_decode_tokens].float(), cache, topk_tokens, num_sms=_num_sms(q_fp8.device),
+        logits_dtype=logits_dtype,
     )
 
 

@@ -375,7 +375,8 @@ def test_module_level_indexer_ranks_logits_in_logits_dtype(dsa_indexer, vllm_con
         ranked.append(logits.clone())
         return topk(logits, *args, **kwargs)
 
-    monkeypatch.setattr(nsa_backend, "topk_indices", recording_topk)
+    # the DSA pipeline ranks the scores (nsa_backend.dsa imports topk_indices by name)
+    monkeypatch.setattr(nsa_backend.dsa, "topk_indices", recording_topk)
     buffer = torch.full((64, TOPK), -1, dtype=torch.int32)
     _call_v32_indexer(batch, vllm_config, buffer, logits_dtype=logits_dtype, dcp_direct_topk_max_rows=0)
     assert len(ranked) == 2  # one prefill chunk, one decode batch
