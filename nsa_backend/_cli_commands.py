@@ -9,7 +9,6 @@ the assumed native packages. A bad one raises :class:`~nsa_backend._cli_errors.C
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.metadata
 import os
 import re
@@ -23,7 +22,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from nsa_backend._cli_errors import EXIT_INVALID, EXIT_OK, CliError, int_in_range, one_of
-from nsa_backend._dispatch import IMPLEMENTATIONS
 from nsa_backend.bench.cli import run_bench
 from nsa_backend.bench.runner import select
 from nsa_backend.indexer import MAX_NEXT_N
@@ -224,24 +222,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 # plan
 # ----------------------------------------------------------------------------------------------
 
-# Ops that a native package implements but nsa-backend does not route to (no wrapper, no capability
-# row): where the package serves them, the framework's own call reaches it, not nsa-backend's route.
-UNROUTED_NATIVES: dict[str, str] = {
-    "fp8_fp4_mqa_logits": "DeepGEMM >= 2.4 has fp8_fp4_mqa_logits",
-    "fp8_fp4_paged_mqa_logits": "DeepGEMM >= 2.4 has fp8_fp4_paged_mqa_logits",
-}
-
-
-def _with_unrouted_native(decision: Decision) -> Decision:
-    """``decision`` with a note naming the native kernel that nsa-backend does not route ``op`` to."""
-    native = UNROUTED_NATIVES.get(decision.op)
-    if native is None or decision.source != "auto" or any(
-            impl in IMPLEMENTATIONS[decision.op] for impl in caps.NATIVE_IMPLS):
-        return decision
-    note = f"{native}, which nsa-backend does not route to (no deep_gemm implementation of {decision.op})"
-    return dataclasses.replace(decision, reason="; ".join(x for x in (decision.reason, note) if x))
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run ``nsa-backend plan``; an implementation choice that cannot run is a status-1 error."""
     cfg = load_checked_config(args.config)
@@ -263,7 +243,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CliError(flags or "implementation choice", str(exc), EXIT_INVALID) from None
     decisions = plan_routes(info, arch, kv_cache_dtype=kv, tp=args.tp, prefill_impl=prefill, decode_impl=decode,
                             next_n=next_n, natives=natives, config=cfg)
-    decisions = [_with_unrouted_native(d) for d in decisions]
     title = (f"{info.architecture} on {arch}: tp={args.tp} (heads/rank {heads}), kv_cache_dtype={kv}, "
              f"prefill={prefill}, decode={decode}, next_n={next_n}")
     _console().print(_route_table(title, decisions))

@@ -58,10 +58,12 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "fp8_fp4_mqa_logits": {
         "reference": f"{_REF}:fp8_fp4_mqa_logits",
         "triton": "nsa_backend.kernels.indexer_fp4:fp8_fp4_mqa_logits_triton",
+        "deep_gemm": f"{_DG}:fp8_fp4_mqa_logits",
     },
     "fp8_fp4_paged_mqa_logits": {
         "reference": f"{_REF}:fp8_fp4_paged_mqa_logits",
         "triton": "nsa_backend.kernels.indexer_fp4:fp8_fp4_paged_mqa_logits_triton",
+        "deep_gemm": f"{_DG}:fp8_fp4_paged_mqa_logits",
     },
     "pack_indexer_k_cache_fp4": {
         "reference": f"{_REF}:pack_indexer_k_cache_fp4",
@@ -127,6 +129,7 @@ FORMAT_IMPLEMENTATIONS: dict[tuple[str, str], dict[str, str]] = {
     ("sparse_mla_decode", "fp8_ds_mla_v4"): {
         "reference": f"{_REF}:sparse_mla_decode",
         "triton": f"{_DECODE_V4}:sparse_mla_v4_decode_triton",
+        "flash_mla": f"{_FMLA}:sparse_mla_decode",
     },
 }
 

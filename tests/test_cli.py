@@ -359,12 +359,12 @@ def test_plan_deepseek_v4_sm89_runs_every_op_on_ours_with_reasons(tp, monkeypatc
         assert f"flash_mla has no {op} kernel for sm89" in rows[op][1], rows[op]
     assert "flashinfer has no sparse_mla_decode kernel for sm89" in rows["sparse_mla_decode"][1]
     for op in ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits"):
-        assert f"DeepGEMM >= 2.4 has {op}" in rows[op][1] and "does not route" in rows[op][1], rows[op]
+        assert f"deep_gemm has no {op} kernel for sm89" in rows[op][1], rows[op]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_plan_deepseek_v4_sm120_keeps_deep_gemm_where_it_serves(tp, monkeypatch, capsys):
-    """On SM120 DeepGEMM's SM120 kernels keep the FP8 indexer (64 index heads) and the mHC pre-norm GEMM;
+    """On SM120 DeepGEMM's SM120 kernels keep the FP8 and FP4 indexers (64 index heads) and the mHC GEMM;
     V4 sparse MLA is ours: FlashMLA has no SM120 kernel and FlashInfer's decode takes d_qk 576 only."""
     monkeypatch.setenv("COLUMNS", "300")
     _, rows = _v4_plan("sm120", tp, capsys)
@@ -372,31 +372,38 @@ def test_plan_deepseek_v4_sm120_keeps_deep_gemm_where_it_serves(tp, monkeypatch,
     for op, kernel in (("fp8_mqa_logits", "sm120_fp8_mqa_logits"),
                        ("get_paged_mqa_logits_metadata", "sm120_paged_mqa_logits_metadata"),
                        ("fp8_paged_mqa_logits", "sm120_fp8_paged_mqa_logits"),
-                       ("tf32_hc_prenorm_gemm", "sm120_tf32_hc_prenorm_gemm")):
+                       ("tf32_hc_prenorm_gemm", "sm120_tf32_hc_prenorm_gemm"),
+                       ("fp8_fp4_mqa_logits", "sm120_fp4_mqa_logits"),
+                       ("fp8_fp4_paged_mqa_logits", "sm120_fp4_paged_mqa_logits")):
         assert rows[op][0] == "deep_gemm" and kernel in rows[op][1], (op, rows[op])
     impl, note = rows["sparse_mla_decode"]
     assert impl == "triton" and "flashinfer sparse_mla_decode on sm120: d_qk=512 is not in {576}" in note, note
     impl, note = rows["flash_mla_sparse_fwd"]
     assert impl == "triton" and "flash_mla has no flash_mla_sparse_fwd kernel for sm120" in note, note
-    for op in ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "pack_fp8_ds_mla_v4", "write_fp8_ds_mla_v4_cache",
-               "unpack_fp8_ds_mla_v4", "topk_indices", "logical_to_global_indices"):
+    for op in ("pack_fp8_ds_mla_v4", "write_fp8_ds_mla_v4_cache", "unpack_fp8_ds_mla_v4", "topk_indices",
+               "logical_to_global_indices"):
         assert rows[op][0] == "triton", (op, rows[op])
 
 
-@pytest.mark.parametrize(("tp", "padded"), [(1, None), (2, 64), (8, 64)])
-def test_plan_deepseek_v4_sm90_flash_mla_prefill_and_our_decode(tp, padded, monkeypatch, capsys):
-    """On SM90 FlashMLA serves the d_qk 512 sparse prefill (fewer than 64 heads padded to 64) and DeepGEMM
-    the FP8 indexer and mHC GEMM; the 584-byte decode is ours, with FlashMLA's d_qk limit as the reason."""
+@pytest.mark.parametrize(("arch", "tp", "padded"), [("sm90", 1, None), ("sm90", 2, 64), ("sm90", 8, 64),
+                                                  ("sm100", 1, None), ("sm100", 8, 64)])
+def test_plan_deepseek_v4_flash_mla_and_deep_gemm_on_sm90_sm100(arch, tp, padded, monkeypatch, capsys):
+    """On SM90 / SM100 FlashMLA serves the d_qk 512 sparse prefill and the 584-byte V4 decode (fewer than 64
+    heads padded to 64) and DeepGEMM the FP8 indexer and mHC GEMM; DeepGEMM's MXFP4 indexer runs on SM100
+    only (SM90 has no FP4 path), so on SM90 the FP4 indexer is ours with that reason."""
     monkeypatch.setenv("COLUMNS", "300")
-    _, rows = _v4_plan("sm90", tp, capsys)
-    impl, note = rows["flash_mla_sparse_fwd"]
-    assert impl == "flash_mla", (impl, note)
-    assert ("num_heads padded to 64" in note) == (padded is not None), note
-    impl, note = rows["sparse_mla_decode"]
-    assert impl == "triton" and "flash_mla sparse_mla_decode on sm90: d_qk=512 is not in {576}" in note, note
+    _, rows = _v4_plan(arch, tp, capsys)
+    for op in ("flash_mla_sparse_fwd", "sparse_mla_decode"):
+        impl, note = rows[op]
+        assert impl == "flash_mla", (op, impl, note)
+        assert ("num_heads padded to 64" in note) == (padded is not None), note
     for op in ("fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "tf32_hc_prenorm_gemm"):
         assert rows[op][0] == "deep_gemm", (op, rows[op])
-    assert rows["fp8_fp4_paged_mqa_logits"][0] == "triton"
+    for op in ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits"):
+        if arch == "sm100":
+            assert rows[op][0] == "deep_gemm", (op, rows[op])
+        else:
+            assert rows[op][0] == "triton" and f"deep_gemm has no {op} kernel for sm90" in rows[op][1], rows[op]
 
 
 def test_plan_deepseek_v4_bf16_cache_is_the_bf16_format(monkeypatch, capsys):

@@ -7,6 +7,9 @@ Argument translation only:
 - ``use_legacy``: the ``sgl-flash-mla`` build keeps SM90 and the DeepSeek-V3.2 formats (d_qk 576,
   the 656-byte ``fp8_ds_mla`` cache) in its legacy kernels, reached with ``use_legacy=True``; its
   current kernels serve d_qk 512 on SM100. Upstream FlashMLA has no such argument and serves both.
+- DeepSeek-V4 decode (``kv_format="fp8_ds_mla_v4"``, the 584-byte cache, d_qk 512): the same sparse call
+  with ``extra_k_cache`` / ``extra_indices_in_kvcache`` for the second key list, whose indices get the same
+  treatment as the main ones (``extra_topk_length`` applied here, slots outside the extra cache -1).
 - Top-k width: the kernels work in blocks of 64 (decode) / 128 (prefill) indices; other widths are
   padded with ``-1``.
 - Indices (prefill and decode): FlashMLA treats only ``-1`` as invalid and does not bound-check, so
@@ -156,30 +159,48 @@ def sparse_mla_decode(
     extra_indices: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flash_mla.flash_mla_with_kvcache`` in sparse FP8 mode (``kv_format="fp8_ds_mla"`` only;
-    ``kv_scale_format`` is not needed: FlashMLA reads the scales as stored)."""
-    # The second key list belongs to the DeepSeek-V4 cache, which routing never sends here.
-    if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
-        raise ValueError("extra_kv_cache / extra_indices: FlashMLA sparse decode here serves one key list over the "
-                         "fp8_ds_mla cache; use impl='triton' or 'reference' for the DeepSeek-V4 format")
-    if kv_format != "fp8_ds_mla":
-        raise ValueError(f"kv_format: FlashMLA sparse decode reads the fp8_ds_mla cache only, got {kv_format!r}")
+    """``flash_mla.flash_mla_with_kvcache`` in sparse FP8 mode over the ``fp8_ds_mla`` cache (d_qk 576) or
+    the DeepSeek-V4 ``fp8_ds_mla_v4`` cache (d_qk 512, with the optional extra cache and index list).
+    ``kv_scale_format`` is not needed: FlashMLA reads the scales as stored."""
+    if kv_format not in ("fp8_ds_mla", "fp8_ds_mla_v4"):
+        raise ValueError(f"kv_format: FlashMLA sparse decode reads the fp8_ds_mla or fp8_ds_mla_v4 cache, "
+                         f"got {kv_format!r}")
+    v4 = kv_format == "fp8_ds_mla_v4"
+    if not v4 and (extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None):
+        raise ValueError("extra_kv_cache / extra_indices: a second key list is only for kv_format "
+                         f"'fp8_ds_mla_v4', got kv_format {kv_format!r}")
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise ValueError("extra_kv_cache / extra_indices: expected both or neither, got "
+                         f"extra_kv_cache={'a tensor' if extra_kv_cache is not None else None}, "
+                         f"extra_indices={'a tensor' if extra_indices is not None else None}")
     fm = _module()
     heads, d_qk = q.shape[2], q.shape[3]
     cache = kv_cache if kv_cache.dim() == 4 else kv_cache.unsqueeze(2)
-    num_slots = cache.shape[0] * cache.shape[1]
     width = _round_up(indices.shape[2], DECODE_TOPK_BLOCK)
-    indices = mask_invalid_slots(indices, num_slots, topk_length, width)
+    indices = mask_invalid_slots(indices, cache.shape[0] * cache.shape[1], topk_length, width)
+    extra_cache, extra_width = None, None
+    if extra_kv_cache is not None and extra_indices is not None:
+        # Same treatment as the main list: lengths, -1 for slots outside the extra cache, blocks of 64.
+        extra_cache = extra_kv_cache if extra_kv_cache.dim() == 4 else extra_kv_cache.unsqueeze(2)
+        extra_width = _round_up(extra_indices.shape[2], DECODE_TOPK_BLOCK)
+        extra_indices = mask_invalid_slots(extra_indices, extra_cache.shape[0] * extra_cache.shape[1],
+                                           extra_topk_length, extra_width)
     target = get_padded_heads("sparse_mla_decode", "flash_mla", heads, device=q.device)
     q = _pad_dim(q, 2, target)
     if attn_sink is not None:
         attn_sink = _pad_dim(attn_sink, 0, target)
-    kwargs = legacy_kwargs("flash_mla_with_kvcache", d_qk, q.device, fp8_cache=True)
-    key = (q.device, *q.shape[:3], *cache.shape[1:3], width, tuple(sorted(kwargs.items())), id(fm))
+    # The V4 cache is served by FlashMLA's current kernels only (sgl-flash-mla's legacy ones are V3.2's).
+    kwargs = {} if v4 else legacy_kwargs("flash_mla_with_kvcache", d_qk, q.device, fp8_cache=True)
+    extra_kwargs: dict[str, Any] = {}
+    if extra_cache is not None:
+        extra_kwargs = {"extra_k_cache": extra_cache, "extra_indices_in_kvcache": extra_indices,
+                        "extra_topk_length": None}
+    key = (q.device, *q.shape[:3], *cache.shape[1:3], width, tuple(sorted(kwargs.items())), id(fm),
+           extra_cache.shape[1] if extra_cache is not None else None, extra_width)
     out, lse = fm.flash_mla_with_kvcache(
         q, cache, None, None, d_v, _decode_schedule(fm, key), None,
         softmax_scale=sm_scale, causal=False, is_fp8_kvcache=True, indices=indices,
-        attn_sink=attn_sink, topk_length=None, **kwargs,
+        attn_sink=attn_sink, topk_length=None, **extra_kwargs, **kwargs,
     )
     if target != heads:
         out, lse = out[:, :, :heads], lse[:, :heads]

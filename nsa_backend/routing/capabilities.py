@@ -229,6 +229,27 @@ def _deep_gemm_paged_rows() -> tuple[Support, ...]:
     return tuple(rows)
 
 
+# DeepGEMM indexer over an MXFP4 key cache (``fp8_fp4_*mqa_logits``), from the host assertions of the
+# DeepGEMM 2.8.1 bundled with vLLM 0.34 (``csrc/apis/attention.hpp``, ``sm100_mqa_logits.hpp``,
+# ``sm120_mqa_logits.hpp``): q and K of one element type, so only MXFP4 queries (``q_fp4``); FP4 needs
+# UE8M0 (MX) scales, which SM90 does not take (SM90 has no FP4 path); SM100 heads a multiple of 4
+# dividing 128 (fewer heads zero-padded), head_dim 128; SM100 paged logits only in the varlen form
+# (the wrapper makes it) with block_kv 32 / 64 / 128 (our cache: 32 / 64). Older releases declared
+# these functions with other signatures and are not routed (``min_version``).
+_FP4_MIN = "2.8"
+_SM100_FP4_HEADS = OneOf((4, 8, 16, 32, 64, 128), pad=True)
+_FP4_Q = OneOf((True,))
+
+
+def _deep_gemm_fp4_rows() -> tuple[Support, ...]:
+    return (
+        _row("fp8_fp4_mqa_logits", "deep_gemm", SM100, **_DG, min_version=_FP4_MIN, num_heads=_SM100_FP4_HEADS,
+             q_fp4=_FP4_Q),
+        _row("fp8_fp4_paged_mqa_logits", "deep_gemm", SM100, **_DG, min_version=_FP4_MIN,
+             num_heads=_SM100_FP4_HEADS, q_fp4=_FP4_Q, page_size=OneOf((32, 64)), next_n=Range(1, None)),
+    )
+
+
 _DG_SM120_PROBE = "nsa_backend.native.deep_gemm:arch_supported"
 _DG_SM120_NOTE = "DeepGEMM SM120 kernel"
 # DeepGEMM on SM120 / SM121 (one sm_120f kernel family), from the host code of the builds that have
@@ -247,7 +268,12 @@ _DG_SM120_ROWS: tuple[tuple[str, str, dict[str, Constraint], tuple[tuple[str, st
      {"num_heads": _SM120_HEADS, "head_dim": OneOf((128,)), "page_size": OneOf((32, 64)), "next_n": Range(1, None)},
      _SM120_PAGE),
     ("tf32_hc_prenorm_gemm", "sm120_tf32_hc_prenorm_gemm", {"n": MultipleOf(8, hi=128), "k": MultipleOf(64)}, ()),
+    # MXFP4 queries and keys (the SM120 FP4 kernels; the 2.8 API, see _deep_gemm_fp4_rows).
+    ("fp8_fp4_mqa_logits", "sm120_fp4_mqa_logits", {"num_heads": _SM120_HEADS, "q_fp4": _FP4_Q}, ()),
+    ("fp8_fp4_paged_mqa_logits", "sm120_fp4_paged_mqa_logits",
+     {"num_heads": _SM120_HEADS, "q_fp4": _FP4_Q, "page_size": OneOf((32, 64)), "next_n": Range(1, None)}, ()),
 )
+_FP4_OPS = ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits")
 
 _TRITON_OPS = (
     "fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "topk_indices",
@@ -274,8 +300,9 @@ TABLE: tuple[Support, ...] = (
          k=MultipleOf(64)),
     _row("tf32_hc_prenorm_gemm", "deep_gemm", SM100, **_DG, min_version="2.3", k=MultipleOf(64)),
     # DeepGEMM on SM120 / SM121: only builds whose library has the kernel (see _DG_SM120_ROWS).
+    *_deep_gemm_fp4_rows(),
     *(_row(op, "deep_gemm", SM120, **_DG, probe=_DG_SM120_PROBE, note=_DG_SM120_NOTE, kernels=(kernel,),
-           library_limits=limits, **where)
+           library_limits=limits, min_version=_FP4_MIN if op in _FP4_OPS else None, **where)
       for op, kernel, where, limits in _DG_SM120_ROWS),
     # FlashMLA sparse prefill: h_q 64 / 128 (smaller head counts padded with zero queries),
     # d_qk 576 (V3.2 / GLM-5) or 512 (V4), d_v 512.
@@ -285,6 +312,12 @@ TABLE: tuple[Support, ...] = (
     _row("sparse_mla_decode", "flash_mla", (*SM90, *SM100), package="flash_mla",
          num_heads=OneOf((64, 128), pad=True), d_qk=OneOf((576,)), kv_format=OneOf(("fp8_ds_mla",)),
          page_size=OneOf((64,))),
+    # FlashMLA DeepSeek-V4 sparse decode over the 584-byte fp8_ds_mla_v4 cache (with the extra key list):
+    # d_qk 512, h_q 64 / 128 (fewer heads padded, as vLLM's DeepseekV4 FlashMLA attention pads them),
+    # the format's page sizes 64 and 256.
+    _row("sparse_mla_decode", "flash_mla", (*SM90, *SM100), package="flash_mla",
+         num_heads=OneOf((64, 128), pad=True), d_qk=OneOf((512,)), kv_format=OneOf(("fp8_ds_mla_v4",)),
+         page_size=OneOf((64, 256))),
     # FlashInfer sparse MLA decode for SM120 / SM121 (trtllm_batch_decode_with_kv_cache_mla with
     # sparse_mla_top_k): page 64, its (heads, topk) buckets, decode-sized calls only.
     _row("sparse_mla_decode", "flashinfer", SM120, package="flashinfer", min_version="0.6.18",

@@ -348,3 +348,63 @@ def test_installed_deep_gemm_libraries_have_sm120_rows():
         page32 = evaluate("get_paged_mqa_logits_metadata", "deep_gemm", "sm120", {"page_size": 32}, natives)
         assert page32.ok == (32 in lib.limits["sm120.paged_block_kv"]), page32.reason
         assert evaluate("tf32_hc_prenorm_gemm", "deep_gemm", "sm121", {"n": 24, "k": 16384}, natives).ok
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V4: DeepGEMM's MXFP4 indexer and FlashMLA's V4 decode
+# ----------------------------------------------------------------------------------------------
+
+FP4_RAGGED = {"num_heads": 64, "q_fp4": True, "compressed": False}
+FP4_PAGED = {"num_heads": 64, "q_fp4": True, "next_n": 1, "page_size": 64, "context_lens_2d": True}
+FP4_KERNELS = SM120_KERNELS | {"sm120_fp4_mqa_logits", "sm120_fp4_paged_mqa_logits"}
+
+
+@pytest.mark.parametrize(("arch", "change", "natives", "ok", "padded"), [
+    ("sm100", {}, "2.8.1", True, {}),
+    ("sm103", {"num_heads": 5}, "2.8.1", True, {"num_heads": 8}),   # a multiple of 4 dividing 128
+    ("sm100", {"num_heads": 128}, "2.8.1", True, {}),
+    ("sm100", {"q_fp4": False}, "2.8.1", False, {}),                 # DeepGEMM's q and K share one type
+    ("sm100", {}, "2.6.1", False, {}),                               # the older fp8_fp4 API is not routed
+    ("sm90", {}, "2.8.1", False, {}),                                # no FP4 (MX-scaled) path on SM90
+    ("sm89", {}, "2.8.1", False, {}),
+    ("sm120", {}, "lib", True, {}),
+    ("sm120", {"num_heads": 16}, "lib", True, {"num_heads": 32}),
+    ("sm120", {}, "lib-without-fp4", False, {}),
+])
+def test_deep_gemm_fp4_indexer_rows(arch, change, natives, ok, padded):
+    status = {"lib": _dg_lib(FP4_KERNELS), "lib-without-fp4": _dg_lib(SM120_KERNELS)}.get(natives) or _dg(natives)
+    for op, features in (("fp8_fp4_mqa_logits", FP4_RAGGED), ("fp8_fp4_paged_mqa_logits", FP4_PAGED)):
+        verdict = evaluate(op, "deep_gemm", arch, {**features, **change}, status)
+        assert verdict.ok == ok, (op, verdict.reason)
+        assert dict(verdict.padded) == padded
+        if natives == "lib-without-fp4":
+            assert f"no sm120_fp4_{op.removeprefix('fp8_fp4_')} kernel" in verdict.reason, verdict.reason
+        # ours serves every one of these calls
+        assert evaluate(op, "triton", arch, {**features, **change}, status).ok
+
+
+def test_deep_gemm_fp4_paged_page_size():
+    assert not evaluate("fp8_fp4_paged_mqa_logits", "deep_gemm", "sm100", {**FP4_PAGED, "page_size": 16},
+                        _dg("2.8.1")).ok
+    assert evaluate("fp8_fp4_paged_mqa_logits", "deep_gemm", "sm100", {**FP4_PAGED, "page_size": 32, "next_n": 4},
+                    _dg("2.8.1")).ok
+
+
+V4_DECODE = {"num_heads": 64, "d_qk": 512, "topk": 512, "s_q": 1, "kv_format": "fp8_ds_mla_v4", "page_size": 64}
+
+
+@pytest.mark.parametrize(("arch", "change", "ok", "padded"), [
+    ("sm90", {}, True, {}),
+    ("sm100", {"num_heads": 8}, True, {"num_heads": 64}),
+    ("sm103", {"num_heads": 100, "page_size": 256}, True, {"num_heads": 128}),
+    ("sm90", {"page_size": 32}, False, {}),
+    ("sm90", {"d_qk": 576}, False, {}),            # a 576-dim query is not the V4 cache's
+    ("sm89", {}, False, {}),
+    ("sm120", {}, False, {}),
+])
+def test_flash_mla_v4_decode_row(arch, change, ok, padded):
+    verdict = evaluate("sparse_mla_decode", "flash_mla", arch, {**V4_DECODE, **change}, ALL_NATIVES)
+    assert verdict.ok == ok, verdict.reason
+    assert dict(verdict.padded) == padded
+    # the V4 cache never reaches the d_qk 576 FlashInfer decode
+    assert not evaluate("sparse_mla_decode", "flashinfer", arch, {**V4_DECODE, **change}, ALL_NATIVES).ok

@@ -201,6 +201,136 @@ def test_deep_gemm_hc_prenorm_passes_num_splits_positionally(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
+# DeepGEMM over an MXFP4 key cache (the 2.8 API: q / kv pairs, compressed uncleaned ragged output,
+# 2-D context lengths, SM100 paged logits in the varlen form only)
+# ----------------------------------------------------------------------------------------------
+
+GARBAGE = 777.0   # what the fake leaves where DeepGEMM does not clean
+
+
+class FakeDeepGEMMFp4(types.ModuleType):
+    """DeepGEMM 2.8's ``fp8_fp4_*mqa_logits`` checking the argument types it asserts and computing with the
+    reference; entries DeepGEMM leaves uncleaned are ``GARBAGE``."""
+
+    __version__ = "2.8.1"
+
+    def __init__(self, varlen: bool):
+        super().__init__("deep_gemm")
+        self.varlen = varlen
+        self.calls: list[tuple[str, dict]] = []
+
+    @staticmethod
+    def _q(q):
+        values, scales = q
+        assert values.dtype == torch.int8 and scales.dtype == torch.int32
+        assert scales.shape == values.shape[:-1] and values.shape[-1] == 64
+        return values.view(torch.uint8), scales.contiguous().view(torch.uint8).view(*scales.shape, 4)
+
+    def fp8_fp4_mqa_logits(self, q, kv, weights, ks, ke, max_seqlen_k, logits_dtype=torch.float32,
+                           schedule_meta=None):
+        assert max_seqlen_k > 0 and logits_dtype == torch.float32
+        qv, qs = self._q(q)
+        k, k_sf = kv
+        assert k.dtype == torch.int8 and k_sf.dtype == torch.int32 and k_sf.shape == (k.shape[0],)
+        self.calls.append(("ragged", {"heads": qv.shape[1], "max_seqlen_k": max_seqlen_k}))
+        out = reference.fp8_fp4_mqa_logits(qv, qs, k.view(torch.uint8), k_sf.view(torch.uint8).view(-1, 4),
+                                           weights, ks, ke, True, max_seqlen_k)
+        return out.masked_fill(out == float("-inf"), GARBAGE)
+
+    def get_paged_mqa_logits_metadata(self, context_lens, block_kv, num_sms, indices=None):
+        assert context_lens.dim() == 2 and (indices is not None) == self.varlen
+        self.calls.append(("metadata", {"num_sms": num_sms}))
+        return torch.zeros(num_sms + 1, 2, dtype=torch.int32)
+
+    def fp8_fp4_paged_mqa_logits(self, q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                 max_context_len, logits_dtype=torch.float32, indices=None):
+        qv, qs = self._q(q)
+        assert context_lens.dim() == 2 and context_lens.shape == qv.shape[:2]
+        table = block_table
+        if self.varlen:
+            assert indices is not None and qv.shape[1] == 1 and indices.shape == (qv.shape[0],)
+            table = block_table[indices.long()]
+        else:
+            assert indices is None
+        self.calls.append(("paged", {"heads": qv.shape[2], "rows": qv.shape[0], "next_n": qv.shape[1]}))
+        out = reference.fp8_fp4_paged_mqa_logits(qv, qs, kv_cache, weights, context_lens, table, None,
+                                                 max_context_len, True)
+        return out.masked_fill(out == float("-inf"), GARBAGE)
+
+
+@pytest.fixture
+def fake_fp4_deep_gemm(monkeypatch, on_arch):
+    def install(arch: str) -> FakeDeepGEMMFp4:
+        fake = FakeDeepGEMMFp4(varlen=arch == "sm100")
+        _install(monkeypatch, "deep_gemm", fake, "2.8.1")
+        dg_wrap._module.cache_clear()
+        on_arch(arch)
+        monkeypatch.setattr(dg_wrap, "_arch_major", lambda device: int(arch[2:-1]))
+        return fake
+    yield install
+    dg_wrap._module.cache_clear()
+
+
+def _mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.quantize_mxfp4(x)
+
+
+@pytest.mark.parametrize(("arch", "heads", "padded"), [("sm100", 5, 8), ("sm100", 64, 64), ("sm120", 16, 32)])
+@pytest.mark.parametrize("max_seqlen_k", [0, 12])
+def test_deep_gemm_fp4_ragged_translation(fake_fp4_deep_gemm, arch, heads, padded, max_seqlen_k):
+    """Full-width and compressed output, with the -inf mask, from DeepGEMM's compressed uncleaned rows."""
+    fake = fake_fp4_deep_gemm(arch)
+    gen = torch.Generator().manual_seed(0)
+    s, n = 6, 30
+    q, q_sf = _mxfp4(torch.randn(s, heads, 128, generator=gen))
+    k, k_sf = _mxfp4(torch.randn(n, 128, generator=gen))
+    w = torch.randn(s, heads, generator=gen)
+    ks = torch.tensor([0, 0, 3, 5, 10, 29], dtype=torch.int32)
+    ke = torch.tensor([1, 7, 9, 16, 22, 30], dtype=torch.int32)
+    out = dg_wrap.fp8_fp4_mqa_logits(q, q_sf, k, k_sf, w, ks, ke, True, max_seqlen_k)
+    ref = reference.fp8_fp4_mqa_logits(q, q_sf, k, k_sf, w, ks, ke, True, max_seqlen_k)
+    assert out.shape == ref.shape and torch.equal(torch.isinf(out), torch.isinf(ref))
+    assert torch.allclose(out[~torch.isinf(ref)], ref[~torch.isinf(ref)], atol=1e-4)
+    assert fake.calls[-1] == ("ragged", {"heads": padded, "max_seqlen_k": max_seqlen_k or n})
+
+
+@pytest.mark.parametrize(("arch", "heads", "padded"), [("sm100", 5, 8), ("sm120", 16, 32)])
+@pytest.mark.parametrize("lens_2d", [False, True])
+def test_deep_gemm_fp4_paged_translation(fake_fp4_deep_gemm, arch, heads, padded, lens_2d):
+    """SM100 gets one row per request with its request index (varlen), SM120 the 2-D lengths; the
+    schedule is DeepGEMM's for what is sent; columns past each row's length are -inf."""
+    fake = fake_fp4_deep_gemm(arch)
+    gen = torch.Generator().manual_seed(1)
+    b, next_n, block_kv, max_len = 3, 2, 32, 96
+    cache = reference.pack_indexer_k_cache_fp4(torch.randn(b * max_len, 128, generator=gen), block_kv)
+    table = torch.randperm(cache.shape[0], generator=gen).to(torch.int32).view(b, -1)
+    q, q_sf = _mxfp4(torch.randn(b, next_n, heads, 128, generator=gen))
+    w = torch.randn(b * next_n, heads, generator=gen)
+    lens = torch.tensor([5, 64, 96], dtype=torch.int32)
+    if lens_2d:
+        lens = expand = dg_wrap.expand_context_lens(lens, next_n)
+        assert expand.shape == (b, next_n)
+    sched = torch.zeros(133, 2, dtype=torch.int32)
+    out = dg_wrap.fp8_fp4_paged_mqa_logits(q, q_sf, cache, w, lens, table, sched, max_len, True)
+    ref = reference.fp8_fp4_paged_mqa_logits(q, q_sf, cache, w, lens, table, None, max_len, True)
+    assert out.shape == ref.shape and torch.equal(torch.isinf(out), torch.isinf(ref))
+    assert torch.allclose(out[~torch.isinf(ref)], ref[~torch.isinf(ref)], atol=1e-4)
+    assert ("metadata", {"num_sms": 132}) in fake.calls
+    varlen = arch == "sm100"
+    assert fake.calls[-1] == ("paged", {"heads": padded, "rows": b * next_n if varlen else b,
+                                        "next_n": 1 if varlen else next_n})
+
+
+def test_deep_gemm_fp4_needs_mxfp4_queries(fake_fp4_deep_gemm):
+    fake_fp4_deep_gemm("sm100")
+    q = torch.zeros(2, 8, 128, dtype=FP8)
+    k, k_sf = _mxfp4(torch.randn(4, 128))
+    with pytest.raises(ValueError, match="q_scale"):
+        dg_wrap.fp8_fp4_mqa_logits(q, None, k, k_sf, torch.ones(2, 8), torch.zeros(2, dtype=torch.int32),
+                                   torch.full((2,), 4, dtype=torch.int32), True, 0)
+
+
+# ----------------------------------------------------------------------------------------------
 # FlashMLA
 # ----------------------------------------------------------------------------------------------
 
@@ -357,8 +487,80 @@ def test_flash_mla_decode_translation(flash_mla_module, on_arch):
     assert call["heads"] == 64 and call["cache_dim"] == 4 and call["fp8"] is True and call["use_legacy"] is True
     sent = call["indices"]
     assert sent.shape[-1] == 64 and int(sent.max()) < 128 and int(sent.min()) == -1
-    with pytest.raises(ValueError, match="fp8_ds_mla cache only"):
+    with pytest.raises(ValueError, match="fp8_ds_mla or fp8_ds_mla_v4 cache"):
         fm_wrap.sparse_mla_decode(q, cache, idx, 0.05, 512, "bf16", None, None)
+
+
+def _v4_cache(num_blocks: int, page: int, gen: torch.Generator) -> torch.Tensor:
+    cache = torch.zeros(num_blocks, page, 584, dtype=torch.uint8)
+    kv = torch.randn(num_blocks * page, 512, generator=gen).to(torch.bfloat16)
+    reference.write_fp8_ds_mla_v4_cache(kv, cache, torch.arange(num_blocks * page, dtype=torch.int32))
+    return cache
+
+
+def _make_flash_mla_v4() -> types.ModuleType:
+    """FlashMLA's ``flash_mla_with_kvcache`` with the DeepSeek-V4 arguments, as vLLM 0.34 bundles it."""
+    mod = types.ModuleType("flash_mla")
+    mod.__version__ = "1.0.0"
+    mod.calls = []
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+                               indices=None, attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None,
+                               topk_length=None, extra_topk_length=None, out=None, enable_batch_invariant=False):
+        assert block_table is None and cache_seqlens is None and num_splits is None and not causal
+        assert is_fp8_kvcache and k_cache.dim() == 4 and k_cache.shape[-1] == 584
+        mod.calls.append({"heads": q.shape[2], "indices": indices.clone(), "topk_length": topk_length,
+                          "extra_cache": extra_k_cache, "extra_topk_length": extra_topk_length,
+                          "extra_indices": None if extra_indices_in_kvcache is None
+                          else extra_indices_in_kvcache.clone()})
+        return reference.sparse_mla_decode(q, k_cache, indices, softmax_scale, head_dim_v, "fp8_ds_mla_v4",
+                                           attn_sink, topk_length, None, extra_k_cache, extra_indices_in_kvcache,
+                                           extra_topk_length)
+
+    mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    mod.get_mla_metadata = lambda *args, **kwargs: (types.SimpleNamespace(), None)
+    return mod
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_flash_mla_v4_decode_translation(monkeypatch, on_arch, extra):
+    """The V4 decode reaches FlashMLA with the extra cache and list, heads padded to 64, both lists cut to
+    their lengths and bounds as -1 in blocks of 64, and matches the reference on the real heads."""
+    mod = _make_flash_mla_v4()
+    _install(monkeypatch, "flash_mla", mod, "1.0.0")
+    fm_wrap._module.cache_clear()
+    fm_wrap._has_use_legacy.cache_clear()
+    fm_wrap.clear_decode_schedules()
+    on_arch("sm90")
+    gen = torch.Generator().manual_seed(3)
+    cache, extra_cache = _v4_cache(2, 64, gen), _v4_cache(1, 256, gen)
+    b, s_q, h = 2, 1, 8
+    q = torch.randn(b, s_q, h, 512, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(-2, 140, (b, s_q, 40), generator=gen, dtype=torch.int32)   # slots >= 128 are invalid
+    tl = torch.tensor([40, 17], dtype=torch.int32)
+    sink = torch.randn(h, generator=gen)
+    ex = dict(extra_kv_cache=None, extra_indices=None, extra_topk_length=None)
+    if extra:
+        ex = dict(extra_kv_cache=extra_cache,
+                  extra_indices=torch.randint(-1, 300, (b, s_q, 70), generator=gen, dtype=torch.int32),
+                  extra_topk_length=torch.tensor([9, 70], dtype=torch.int32))
+    args = (q, cache, idx, 0.04, 512, "fp8_ds_mla_v4", sink, tl, None, *ex.values())
+    out, lse = fm_wrap.sparse_mla_decode(*args)
+    ref_out, ref_lse = reference.sparse_mla_decode(*args)
+    assert torch.allclose(out.float(), ref_out.float(), atol=1e-2) and torch.allclose(lse, ref_lse, atol=1e-4)
+    call = mod.calls[-1]
+    assert call["heads"] == 64 and call["topk_length"] is None and call["extra_topk_length"] is None
+    assert call["indices"].shape[-1] == 64 and int(call["indices"].max()) < 128
+    assert (call["indices"][1, 0, 17:] == -1).all()
+    if extra:
+        assert call["extra_cache"].shape == (1, 256, 1, 584)
+        sent = call["extra_indices"]
+        assert sent.shape[-1] == 128 and int(sent.max()) < 256 and (sent[0, 0, 9:] == -1).all()
+    else:
+        assert call["extra_cache"] is None and call["extra_indices"] is None
+    fm_wrap._module.cache_clear()
+    fm_wrap.clear_decode_schedules()
 
 
 def test_flash_mla_decode_keeps_one_schedule_per_shape(flash_mla_module, on_arch, monkeypatch):
@@ -479,6 +681,11 @@ def test_wrappers_take_the_public_signatures():
     for native, public in pairs:
         want = [p for p in inspect.signature(public).parameters if p != "impl"]
         assert list(inspect.signature(native).parameters) == want, native.__qualname__
+    # The MXFP4 indexer ops call their implementations with split (values, scales) arguments: the
+    # wrappers take the reference implementation's parameters.
+    for native, ref in ((dg_wrap.fp8_fp4_mqa_logits, reference.fp8_fp4_mqa_logits),
+                        (dg_wrap.fp8_fp4_paged_mqa_logits, reference.fp8_fp4_paged_mqa_logits)):
+        assert list(inspect.signature(native).parameters) == list(inspect.signature(ref).parameters)
 
 
 # ----------------------------------------------------------------------------------------------
