@@ -77,16 +77,12 @@ def test_pack_empty():
 
 _AOT_SCRIPT = textwrap.dedent("""
     import json
-    from nsa_backend.kernels.aot import TARGET_ARCHS, compile_for_arch
-    from nsa_backend.kernels.fp8_ds_mla import PACK_NUM_WARPS, _fp8_ds_mla_pack_kernel
+    from nsa_backend.kernels.aot import TARGET_ARCHS
+    from nsa_backend.kernels.aot_registry import shipped_jobs
     rows = []
-    for arch in TARGET_ARCHS:
-        for pow2 in (False, True):
-            sig = {"kv_ptr": "*bf16", "out_ptr": "*u8", "slot_ptr": "*i64", "n_slots": "i32", "page_size": "i32",
-                   "stride_kv": "i32", "stride_page": "i32", "POW2": "constexpr", "HAS_SLOTS": "constexpr"}
-            r = compile_for_arch(_fp8_ds_mla_pack_kernel.fn, sig, {"POW2": pow2, "HAS_SLOTS": True}, arch,
-                                 PACK_NUM_WARPS, 1)
-            rows.append([arch, pow2, r.shared_bytes, r.fits])
+    for job in shipped_jobs(TARGET_ARCHS, ["fp8_ds_mla"]):
+        r = job.compile()
+        rows.append([job.arch, job.constexprs["POW2"], r.shared_bytes, r.fits])
     print(json.dumps(rows))
 """)
 

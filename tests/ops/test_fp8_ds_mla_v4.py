@@ -284,22 +284,12 @@ def test_pack_unpack_reject_bad_inputs():
 
 _AOT_SCRIPT = textwrap.dedent("""
     import json
-    from nsa_backend.kernels.aot import TARGET_ARCHS, compile_for_arch
-    from nsa_backend.kernels.fp8_ds_mla_v4 import (V4_NUM_WARPS, _fp8_ds_mla_v4_unpack_kernel,
-                                                   _fp8_ds_mla_v4_write_kernel)
+    from nsa_backend.kernels.aot import TARGET_ARCHS
+    from nsa_backend.kernels.aot_registry import shipped_jobs
     rows = []
-    write_sig = {"kv_ptr": "*bf16", "out_ptr": "*u8", "slot_ptr": "*i64", "w_ptr": "*bf16", "pos_ptr": "*i64",
-                 "cs_ptr": "*fp32", "n_slots": "i32", "page_size": "i32", "stride_kv": "i32", "stride_page": "i32",
-                 "stride_cs": "i32", "n_pos": "i32", "eps": "fp32", "HAS_SLOTS": "constexpr",
-                 "HAS_NORM": "constexpr", "HAS_ROPE": "constexpr"}
-    unpack_sig = {"cache_ptr": "*u8", "out_ptr": "*bf16", "page_size": "i32", "stride_page": "i32"}
-    for arch in TARGET_ARCHS:
-        for flags in ((True, True, True), (False, False, False)):
-            r = compile_for_arch(_fp8_ds_mla_v4_write_kernel.fn, write_sig,
-                                 dict(zip(("HAS_SLOTS", "HAS_NORM", "HAS_ROPE"), flags)), arch, V4_NUM_WARPS, 1)
-            rows.append(["write", arch, flags, r.shared_bytes, r.fits])
-        r = compile_for_arch(_fp8_ds_mla_v4_unpack_kernel, unpack_sig, {}, arch, V4_NUM_WARPS, 1)
-        rows.append(["unpack", arch, None, r.shared_bytes, r.fits])
+    for job in shipped_jobs(TARGET_ARCHS, ["fp8_ds_mla_v4"]):
+        r = job.compile()
+        rows.append([job.kind, job.arch, job.config, r.shared_bytes, r.fits])
     print(json.dumps(rows))
 """)
 

@@ -249,70 +249,20 @@ _AOT_SCRIPT = textwrap.dedent("""
     import json, os
     os.environ.pop("TRITON_INTERPRET", None)
     from nsa_backend.kernels import aot
-    from nsa_backend.kernels import indexer as ki
-    from nsa_backend.configs import indexer as ci
+    from nsa_backend.kernels.aot_registry import indexer_jobs
 
-    def compile_aligned(fn, sig, constexprs, arch, num_warps, num_stages, aligned):
-        return aot.compile_for_arch(fn, sig, constexprs, arch, num_warps, num_stages, aligned=aligned)
-
-    ptr_args = {"ragged": ["q_ptr", "k_ptr", "k_scale_ptr", "w_ptr", "ks_ptr", "ke_ptr", "out_ptr",
-                           "stride_out"],
-                "paged": ["q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "out_ptr", "stride_bt",
-                          "stride_page",
-                          "stride_out"]}
-    jobs = []
     full = os.environ.get("NSA_AOT_FULL", "0") == "1"
-    for arch in aot.TARGET_ARCHS:
-        native = arch >= aot.FP8_NATIVE_MIN_ARCH
-        ragged = ci.shipped_ragged_configs(arch)
-        paged = ci.shipped_paged_configs(arch)
-        if not full:  # the largest shared-memory estimate of each kernel
-            ragged = [max(ragged, key=lambda it: it[2].shared_bytes_estimate(it[1], native))]
-            paged = [max(paged, key=lambda it: it[3].shared_bytes_estimate(it[2], native))]
-        jobs += [("ragged", arch, it) for it in ragged] + [("paged", arch, it) for it in paged]
-        jobs += [("schedule", arch, (1024, 16))]
+    # without NSA_AOT_FULL: the largest shared-memory estimate of each kernel
+    jobs = [job for arch in aot.TARGET_ARCHS for job in indexer_jobs(arch, largest_only=not full)]
 
-    def run(job):
-        kind, arch, it = job
-        native = arch >= aot.FP8_NATIVE_MIN_ARCH
-        ft = "*fp8e4nv" if native else "*u8"
-        if kind == "ragged":
-            hp, d, cfg = it
-            sig = dict(q_ptr=ft, k_ptr=ft, k_scale_ptr="*fp32", w_ptr="*fp32", ks_ptr="*i32", ke_ptr="*i32",
-                       out_ptr="*fp32", S="i32", N="i32", H="i32", stride_out="i32", max_seqlen_k="i32",
-                       w_scale="fp32", D="constexpr", HP="constexpr", BQ="constexpr", BLOCK_N="constexpr",
-                       CLEAN="constexpr", COMPRESSED="constexpr", FP8_NATIVE="constexpr")
-            cx = dict(D=d, HP=hp, BQ=max(1, cfg.cols // hp), BLOCK_N=cfg.block_n, CLEAN=True,
-                      COMPRESSED=False, FP8_NATIVE=native)
-            r = compile_aligned(ki._indexer_ragged_logits_kernel, sig, cx, arch, cfg.num_warps,
-                                cfg.num_stages, ptr_args["ragged"])
-        elif kind == "paged":
-            hp, nn, d, cfg = it
-            sig = dict(q_ptr=ft, kv_ptr="*u8", w_ptr="*fp32", ctx_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32",
-                       H="i32", max_ctx="i32", num_pages="i32", max_blocks="i32", stride_bt="i32",
-                       stride_page="i32", stride_out="i32", w_scale="fp32", NEXT_N="i32", CHUNK="i32",
-                       NP="constexpr", D="constexpr", HP="constexpr", PAGE="constexpr", BLOCK_N="constexpr",
-                       CTX_2D="constexpr", FP8_NATIVE="constexpr", SCALE_ALIGNED="constexpr",
-                       SC_AHEAD="constexpr", ROW_LOOP="constexpr", PG_AHEAD="constexpr",
-                       K_MASK="constexpr")
-            cx = dict(NP=max(1, cfg.cols // hp), D=d, HP=hp, PAGE=64, BLOCK_N=cfg.block_n, CTX_2D=True,
-                      FP8_NATIVE=native, SCALE_ALIGNED=True, SC_AHEAD=cfg.scale_ahead, ROW_LOOP=cfg.row_loop,
-                      PG_AHEAD=cfg.scale_ahead and cfg.page_ahead and cfg.block_n == 64,
-                      K_MASK=cfg.k_mask)
-            r = compile_aligned(ki._indexer_paged_logits_kernel, sig, cx, arch, cfg.num_warps,
-                                cfg.num_stages, ptr_args["paged"])
-        else:
-            cfg = f"BLOCK_B={it[0]}"
-            sig = dict(ctx_ptr="*i32", out_ptr="*i32", B="i32", ctx_stride="i32", ctx_offset="i32",
-                       num_sms="i32", SPLIT="constexpr", BLOCK_B="constexpr", BLOCK_SM="constexpr")
-            r = compile_aligned(ki._indexer_paged_schedule_kernel, sig,
-                                dict(SPLIT=256, BLOCK_B=it[0], BLOCK_SM=it[1]), arch, 4, 1,
-                                ["ctx_ptr", "out_ptr"])
-        return [kind, arch, str(cfg), r.shared_bytes, aot.SHARED_MEMORY_LIMIT[arch]]
+    def run(i):
+        job = jobs[i]
+        r = job.compile()
+        return [job.kind, job.arch, job.config, r.shared_bytes, r.shared_limit]
 
     import multiprocessing as mp
     with mp.get_context("fork").Pool(max(1, min(8, os.cpu_count() or 1))) as pool:
-        rows = pool.map(run, jobs, chunksize=1)
+        rows = pool.map(run, range(len(jobs)), chunksize=1)
     print("AOT-ROWS " + json.dumps(rows))
     for row in rows:
         print(*row)

@@ -58,17 +58,12 @@ _AOT_SCRIPT = textwrap.dedent("""
     import json, os
     os.environ.pop("TRITON_INTERPRET", None)
     from nsa_backend.kernels import aot
-    from nsa_backend.kernels import slots as ks
+    from nsa_backend.kernels.aot_registry import shipped_jobs
 
-    sig = dict(idx_ptr="*i32", len_ptr="*i32", out_ptr="*i32", num_slots="i32", topk="i32", width="i32",
-               rows_per_request="i32", stride_idx_row="i32", HAS_LEN="constexpr", BLOCK="constexpr")
     rows = []
-    for arch in aot.TARGET_ARCHS:
-        for has_len in (False, True):
-            k = aot.compile_for_arch(ks._mask_invalid_slots_kernel, sig, dict(HAS_LEN=has_len, BLOCK=ks.BLOCK),
-                                     arch, 4, 1, aligned=["idx_ptr", "out_ptr"])
-            rows.append(["mask_invalid_slots", arch, f"len={has_len}", k.shared_bytes,
-                         aot.SHARED_MEMORY_LIMIT[arch]])
+    for job in shipped_jobs(aot.TARGET_ARCHS, ["slots"]):
+        k = job.compile()
+        rows.append([job.kind, job.arch, job.config, k.shared_bytes, k.shared_limit])
     print("AOT-ROWS " + json.dumps(rows))
 """)
 

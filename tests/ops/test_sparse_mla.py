@@ -418,67 +418,17 @@ _AOT_SCRIPT = textwrap.dedent("""
     import json, sys
     from concurrent.futures import ProcessPoolExecutor
 
-    # Runtime launches specialise pointers and the listed strides as multiples of 16 (vectorised and
-    # asynchronous copies, hence more shared memory): compile with the same attributes.
-    DIV16 = ("q_ptr kv_ptr idx_ptr sink_ptr topk_len_ptr out_ptr lse_ptr max_ptr stride_q_row stride_q_head "
-             "stride_page stride_row stride_ob stride_or stride_os stride_oh part_o_ptr part_lse_ptr").split()
-
-    def compile_div16(kernel, sig, ce, arch, num_warps, num_stages, maxnreg=None):
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
-        names = kernel.arg_names
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIV16 if n in sig and sig[n] != "constexpr"}
-        src = ASTSource(fn=kernel, signature=sig, constexprs=ce, attrs=attrs)
-        options = {"num_warps": num_warps, "num_stages": num_stages}
-        if maxnreg:
-            options["maxnreg"] = maxnreg
-        c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-        shared = int(c.metadata.shared)
-        return shared, shared <= SHARED_MEMORY_LIMIT[arch]
-
     def job(item):
-        arch, kind, cfg, fp8, native = item
-        from nsa_backend.kernels.sparse_mla_prefill import _sparse_mla_fwd_kernel
-        from nsa_backend.kernels.sparse_mla_decode import _sparse_mla_decode_merge_kernel
-        if kind == "merge":
-            sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-                   "lse_ptr": "*fp32", "h_q": "i32", "s_q": "i32", "num_splits": "i32"}
-            from nsa_backend.kernels.sparse_mla_decode import PDL_MIN_ARCH
-            # with the grid-dependency wait where the launch has it
-            ce = {"D_V": 512, "BLOCK_H": cfg[0], "BLOCK_D": cfg[2], "HAS_SINK": True,
-                  "WAIT_PRIMARY": arch >= PDL_MIN_ARCH}
-            sig.update({k: "constexpr" for k in ce})
-            return [arch, kind, cfg, fp8, native, *compile_div16(_sparse_mla_decode_merge_kernel.fn, sig, ce, arch,
-                                                                  cfg[1], 1)]
-        split = kind == "decode"
-        sig = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
-               "topk_len_ptr": "*i32", "out_ptr": "*fp32" if split else "*bf16", "lse_ptr": "*fp32",
-               "max_ptr": "*fp32", "qk_scale": "fp32"}
-        for n in ("h_q topk n_slots page_size keys_per_split rows_per_batch stride_q_row stride_q_head "
-                  "stride_idx_row stride_page stride_row stride_ob stride_or stride_os stride_oh stride_lb "
-                  "stride_lr stride_ls stride_lh").split():
-            sig[n] = "i32"
-        ce = dict(D_ROPE=64, BLOCK_H=cfg[0], BLOCK_N=cfg[1], KV_FP8=fp8, FP8_NATIVE=native,
-                  SPLIT=split, IDX_AHEAD=cfg[4], HAS_SINK=True, HAS_TOPK_LEN=True, HAS_MAX=not split)
-        sig.update({k: "constexpr" for k in ce})
-        return [arch, kind, cfg, fp8, native, *compile_div16(_sparse_mla_fwd_kernel.fn, sig, ce, arch, cfg[2],
-                                                              cfg[3], cfg[5])]
+        from nsa_backend.kernels.aot_registry import sparse_mla_jobs
+        arch, i = item
+        j = sparse_mla_jobs(arch)[i]
+        r = j.compile()
+        return [arch, j.kind, j.config, r.shared_bytes, r.fits]
 
     if __name__ == "__main__":
-        from nsa_backend.configs.sparse_mla import (MERGE_BLOCK_D_CHOICES, MERGE_BLOCK_H, MERGE_NUM_WARPS,
-                                                    shipped_configs)
-        from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH
+        from nsa_backend.kernels.aot_registry import sparse_mla_jobs
         archs = [int(a) for a in sys.argv[1].split(",")]
-        items = []
-        for arch in archs:
-            for kind, c, fp8 in shipped_configs(arch):
-                native = arch >= FP8_NATIVE_MIN_ARCH
-                items.append((arch, kind, (c.block_h, c.block_n, c.num_warps, c.num_stages, c.idx_ahead,
-                                           c.maxnreg), fp8, native))
-            for block_d in MERGE_BLOCK_D_CHOICES:
-                items.append((arch, "merge", (MERGE_BLOCK_H, MERGE_NUM_WARPS, block_d), False, False))
+        items = [(arch, i) for arch in archs for i in range(len(sparse_mla_jobs(arch)))]
         with ProcessPoolExecutor(int(sys.argv[2])) as ex:
             print(json.dumps(list(ex.map(job, items))))
 """)

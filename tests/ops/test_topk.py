@@ -349,85 +349,12 @@ _AOT_SCRIPT = textwrap.dedent("""
     import json, os
     os.environ.pop("TRITON_INTERPRET", None)
     from nsa_backend.kernels import aot
-    from nsa_backend.kernels import topk as kt
-    from nsa_backend.configs import topk as ct
-
-    def compile_aligned(fn, sig, constexprs, arch, num_warps, aligned):
-        return aot.compile_for_arch(fn, sig, constexprs, arch, num_warps, 1, aligned=aligned).shared_bytes
+    from nsa_backend.kernels.aot_registry import shipped_jobs
 
     rows = []
-    common = dict(N="i32", K="i32", stride_x="i32")
-    flags = dict(HAS_STARTS=True, HAS_ENDS=True)
-    for arch in aot.TARGET_ARCHS:
-        for cfg in ct.shipped_configs():
-            sig = dict(x_ptr="*fp32", hist_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32", **common,
-                       SPLIT="i32", BLOCK="constexpr", LEVEL="constexpr", HAS_STARTS="constexpr",
-                       HAS_ENDS="constexpr")
-            sh = compile_aligned(kt._topk_histogram_kernel, sig, dict(BLOCK=cfg.block, LEVEL=1, **flags),
-                                 arch, cfg.num_warps, ["x_ptr", "hist_ptr", "stride_x"])
-            rows.append(["histogram", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
-            sig = dict(x_ptr="*fp32", hist_ptr="*i32", count_ptr="*i32", cand_ptr="*i32", out_ptr="*i32",
-                       starts_ptr="*i32", ends_ptr="*i32", **common, SPLIT="i32", CAP="i32",
-                       BLOCK="constexpr", HAS_STARTS="constexpr", HAS_ENDS="constexpr")
-            sh = compile_aligned(kt._topk_filter_kernel, sig, dict(BLOCK=cfg.block, **flags), arch,
-                                 cfg.num_warps, ["x_ptr", "hist_ptr", "cand_ptr", "out_ptr", "stride_x"])
-            rows.append(["filter", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
-        sig = dict(x_ptr="*fp32", hist_ptr="*i32", cand_ptr="*i32", out_ptr="*i32", starts_ptr="*i32",
-                   ends_ptr="*i32", **common, CAP="i32", BLOCK="constexpr", HAS_STARTS="constexpr",
-                   HAS_ENDS="constexpr")
-        sh = compile_aligned(kt._topk_finish_kernel, sig, dict(BLOCK=ct.FINISH_BLOCK, **flags), arch,
-                             ct.FINISH_NUM_WARPS, ["x_ptr", "hist_ptr", "cand_ptr", "out_ptr", "stride_x"])
-        rows.append(["finish", arch, "", sh, aot.SHARED_MEMORY_LIMIT[arch]])
-        for cfg in ct.shipped_row_configs():
-            cap = ct.row_capacity(ct.ROW_MAX_TOPK, cfg)
-            sig = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
-                       R="i32", **common, BLOCK="constexpr", CAP="constexpr", SAMPLE="constexpr",
-                       SIGMAS="constexpr", PREFETCH="constexpr", HAS_STARTS="constexpr", HAS_ENDS="constexpr")
-            const = dict(BLOCK=cfg.block, CAP=cap, SAMPLE=ct.row_sample(cap), SIGMAS=ct.ROW_SIGMAS,
-                         PREFETCH=cfg.prefetch, **flags)
-            sh = compile_aligned(kt._topk_row_kernel, sig, const, arch, cfg.num_warps,
-                                 ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
-            rows.append(["row", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
-        for cfg in ct.shipped_sieve_configs():
-            cap, sample, direct = ct.sieve_sizes(ct.ROW_MAX_TOPK, cfg)
-            if cfg.split == 1:
-                sig = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
-                           R="i32", **common, BLOCK="constexpr", LIST_BLOCK="constexpr", CAP="constexpr",
-                           SAMPLE="constexpr", DIRECT="constexpr", SIGMAS="constexpr", HAS_STARTS="constexpr",
-                           HAS_ENDS="constexpr")
-                const = dict(BLOCK=cfg.block, LIST_BLOCK=cfg.list_block or cfg.block, CAP=cap, SAMPLE=sample,
-                             DIRECT=direct, SIGMAS=ct.ROW_SIGMAS, **flags)
-                sh = compile_aligned(kt._topk_sieve_kernel, sig, const, arch, cfg.num_warps,
-                                     ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
-                rows.append(["sieve", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
-                continue
-            sig = dict(x_ptr="*fp32", scratch_ptr="*i32", state_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
-                       **common, BLOCK="constexpr", CAP="constexpr", SAMPLE="constexpr", DIRECT="constexpr",
-                       SIGMAS="constexpr", HAS_STARTS="constexpr", HAS_ENDS="constexpr")
-            const = dict(BLOCK=cfg.block, CAP=cap, SAMPLE=sample, DIRECT=direct, SIGMAS=ct.ROW_SIGMAS, **flags)
-            sh = compile_aligned(kt._topk_sieve_part_kernel, sig, const, arch, cfg.num_warps,
-                                 ["x_ptr", "scratch_ptr", "stride_x"])
-            rows.append(["sieve-part", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
-            sig = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", state_ptr="*i32", starts_ptr="*i32",
-                       ends_ptr="*i32", **common, BLOCK="constexpr", CAP="constexpr", HAS_STARTS="constexpr",
-                       HAS_ENDS="constexpr")
-            sh = compile_aligned(kt._topk_sieve_merge_kernel, sig, dict(BLOCK=cfg.merge_block, CAP=cap, **flags),
-                                 arch, cfg.merge_warps, ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
-            rows.append(["sieve-merge", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
-        for max_n, cfg in ct.shipped_resident_configs():
-            cap, fin = ct.resident_sizes(max_n, ct.ROW_MAX_TOPK, cfg)
-            sig = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
-                       R="i32", **common, CAP="constexpr", FIN="constexpr", EMIT_BLOCK="constexpr",
-                       HAS_STARTS="constexpr", HAS_ENDS="constexpr")
-            const = dict(CAP=cap, FIN=fin, EMIT_BLOCK=cfg.emit_block, **flags)
-            sh = compile_aligned(kt._topk_resident_kernel, sig, const, arch, cfg.num_warps,
-                                 ["x_ptr", "out_ptr", "scratch_ptr", "stride_x"])
-            rows.append(["resident", arch, str(cfg), sh, aot.SHARED_MEMORY_LIMIT[arch]])
-        sig = dict(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", out_ptr="*i32", K="i32", B="i32", M="i32",
-                   stride_bt="i32", page_size="i32", BLOCK="constexpr")
-        sh = compile_aligned(kt._topk_logical_to_global_kernel, sig, dict(BLOCK=ct.L2G_BLOCK), arch,
-                             ct.L2G_NUM_WARPS, ["idx_ptr", "out_ptr"])
-        rows.append(["logical_to_global", arch, "", sh, aot.SHARED_MEMORY_LIMIT[arch]])
+    for job in shipped_jobs(aot.TARGET_ARCHS, ["topk"]):
+        k = job.compile()
+        rows.append([job.kind, job.arch, job.config, k.shared_bytes, k.shared_limit])
     print("AOT-ROWS " + json.dumps(rows))
 """)
 

@@ -1,0 +1,372 @@
+"""Every portable ``tl`` kernel with the launch configurations the launchers use on each arch.
+
+One :class:`AotJob` describes one compilation: the kernel, its Triton signature and ``constexpr``
+values as the launcher specialises them, launch options, and the arguments the runtime sees as
+multiples of 16 (aligned pointers, strides). :func:`shipped_jobs` lists them per architecture and
+family; the ahead-of-time tests and ``python -m nsa_backend.kernels.aot_report`` (the committed
+registers / spills / shared-memory table) both compile from here.
+
+The sm_90-only Gluon kernels (``*_gluon*.py``) are not listed: they have no path on other archs and
+their own sm_90 compile checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nsa_backend.configs import indexer as cfg_indexer
+from nsa_backend.configs import mhc as cfg_mhc
+from nsa_backend.configs import sparse_mla as cfg_sparse_mla
+from nsa_backend.configs import topk as cfg_topk
+from nsa_backend.kernels import (
+    fp8_ds_mla,
+    fp8_ds_mla_v4,
+    indexer,
+    mhc,
+    slots,
+    sparse_mla_decode,
+    sparse_mla_prefill,
+    sparse_mla_v4_decode,
+    topk,
+)
+from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH, CompiledKernel, compile_for_arch
+
+
+@dataclass(frozen=True)
+class AotJob:
+    """One kernel x one launch configuration x one architecture, as the launcher compiles it.
+
+    Attributes
+    ----------
+    family : str
+        Op family (``"indexer"``, ``"topk"``, ``"sparse_mla"``, ...).
+    kind : str
+        Short kernel name within the family (``"paged"``, ``"decode"``, ...).
+    config : str
+        The launch configuration, readable (a config object's ``repr`` or the constexprs that vary).
+    arch : int
+        Compute capability.
+    kernel : Any
+        The ``@triton.jit`` kernel (possibly wrapped by ``@triton.heuristics``).
+    signature, constexprs : dict
+        Triton types of every parameter and values of the ``constexpr`` ones.
+    num_warps, num_stages : int
+        Launch options.
+    aligned : tuple of str
+        Parameters specialised as divisible by 16 at run time.
+    options : dict
+        Further compile options the launcher passes (``maxnreg``, ``enable_fp_fusion``).
+    """
+
+    family: str
+    kind: str
+    config: str
+    arch: int
+    kernel: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    aligned: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def compile(self) -> CompiledKernel:
+        """Compile for :attr:`arch` (needs ``TRITON_INTERPRET`` unset) and report the resources."""
+        return compile_for_arch(self.kernel, self.signature, self.constexprs, self.arch, self.num_warps,
+                                self.num_stages, aligned=self.aligned, options=self.options)
+
+
+def _reg_cap(max_regs: int | None) -> dict[str, Any]:
+    # launchers pass a register cap per thread only where the configuration sets one
+    return {"maxnreg": max_regs} if max_regs else {}
+
+
+def _constexpr(signature: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
+    return {**signature, **{k: "constexpr" for k in constexprs}}
+
+
+# ------------------------------------------------------------------------------------------------
+# Indexer logits
+# ------------------------------------------------------------------------------------------------
+
+_INDEXER_RAGGED_ALIGNED = ("q_ptr", "k_ptr", "k_scale_ptr", "w_ptr", "ks_ptr", "ke_ptr", "out_ptr", "stride_out")
+_INDEXER_PAGED_ALIGNED = ("q_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "out_ptr", "stride_bt", "stride_page",
+                          "stride_out")
+
+
+def indexer_jobs(arch: int, largest_only: bool = False) -> list[AotJob]:
+    """Ragged and paged logits with every shipped configuration, and the paged schedule kernel.
+
+    ``largest_only`` keeps, of each logits kernel, the configuration with the largest shared-memory
+    estimate (a quick check of the budget).
+    """
+    native = arch >= FP8_NATIVE_MIN_ARCH
+    ft = "*fp8e4nv" if native else "*u8"
+    ragged = cfg_indexer.shipped_ragged_configs(arch)
+    paged = cfg_indexer.shipped_paged_configs(arch)
+    if largest_only:
+        ragged = [max(ragged, key=lambda it: it[2].shared_bytes_estimate(it[1], native))]
+        paged = [max(paged, key=lambda it: it[3].shared_bytes_estimate(it[2], native))]
+    jobs = []
+    for hp, d, cfg in ragged:
+        sig = dict(q_ptr=ft, k_ptr=ft, k_scale_ptr="*fp32", w_ptr="*fp32", ks_ptr="*i32", ke_ptr="*i32",
+                   out_ptr="*fp32", S="i32", N="i32", H="i32", stride_out="i32", max_seqlen_k="i32", w_scale="fp32")
+        cx = dict(D=d, HP=hp, BQ=max(1, cfg.cols // hp), BLOCK_N=cfg.block_n, CLEAN=True, COMPRESSED=False,
+                  FP8_NATIVE=native)
+        jobs.append(AotJob("indexer", "ragged", f"HP={hp} D={d} {cfg}", arch, indexer._indexer_ragged_logits_kernel,
+                           _constexpr(sig, cx), cx, cfg.num_warps, cfg.num_stages, _INDEXER_RAGGED_ALIGNED,
+                           _reg_cap(cfg.max_regs)))
+    for hp, _next_n, d, cfg in paged:
+        sig = dict(q_ptr=ft, kv_ptr="*u8", w_ptr="*fp32", ctx_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32", H="i32",
+                   max_ctx="i32", num_pages="i32", max_blocks="i32", stride_bt="i32", stride_page="i32",
+                   stride_out="i32", w_scale="fp32", NEXT_N="i32", CHUNK="i32")
+        cx = dict(NP=max(1, cfg.cols // hp), D=d, HP=hp, PAGE=64, BLOCK_N=cfg.block_n, CTX_2D=True,
+                  FP8_NATIVE=native, SCALE_ALIGNED=True, SC_AHEAD=cfg.scale_ahead, ROW_LOOP=cfg.row_loop,
+                  PG_AHEAD=cfg.scale_ahead and cfg.page_ahead and cfg.block_n == 64, K_MASK=cfg.k_mask)
+        jobs.append(AotJob("indexer", "paged", f"HP={hp} next_n={_next_n} D={d} {cfg}", arch,
+                           indexer._indexer_paged_logits_kernel, _constexpr(sig, cx), cx, cfg.num_warps,
+                           cfg.num_stages, _INDEXER_PAGED_ALIGNED, _reg_cap(cfg.max_regs)))
+    sig = dict(ctx_ptr="*i32", out_ptr="*i32", B="i32", ctx_stride="i32", ctx_offset="i32", num_sms="i32")
+    cx = dict(SPLIT=256, BLOCK_B=1024, BLOCK_SM=16)
+    jobs.append(AotJob("indexer", "schedule", "BLOCK_B=1024", arch, indexer._indexer_paged_schedule_kernel,
+                       _constexpr(sig, cx), cx, 4, 1, ("ctx_ptr", "out_ptr")))
+    return jobs
+
+
+# ------------------------------------------------------------------------------------------------
+# Top-k and slot helpers
+# ------------------------------------------------------------------------------------------------
+
+def topk_jobs(arch: int) -> list[AotJob]:
+    """Every top-k kernel with every shipped configuration (rows with starts and ends)."""
+    common = dict(N="i32", K="i32", stride_x="i32")
+    flags = dict(HAS_STARTS=True, HAS_ENDS=True)
+    jobs = []
+
+    def add(kind: str, config: str, kernel: Any, sig: dict[str, str], cx: dict[str, Any], num_warps: int,
+            aligned: tuple[str, ...], max_regs: int = 0) -> None:
+        jobs.append(AotJob("topk", kind, config, arch, kernel, _constexpr(sig, cx), cx, num_warps, 1, aligned,
+                           _reg_cap(max_regs)))
+
+    for cfg in cfg_topk.shipped_configs():
+        add("histogram", str(cfg), topk._topk_histogram_kernel,
+            dict(x_ptr="*fp32", hist_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32", **common, SPLIT="i32"),
+            dict(BLOCK=cfg.block, LEVEL=1, **flags), cfg.num_warps, ("x_ptr", "hist_ptr", "stride_x"))
+        add("filter", str(cfg), topk._topk_filter_kernel,
+            dict(x_ptr="*fp32", hist_ptr="*i32", count_ptr="*i32", cand_ptr="*i32", out_ptr="*i32",
+                 starts_ptr="*i32", ends_ptr="*i32", **common, SPLIT="i32", CAP="i32"),
+            dict(BLOCK=cfg.block, **flags), cfg.num_warps, ("x_ptr", "hist_ptr", "cand_ptr", "out_ptr", "stride_x"))
+    add("finish", f"BLOCK={cfg_topk.FINISH_BLOCK}", topk._topk_finish_kernel,
+        dict(x_ptr="*fp32", hist_ptr="*i32", cand_ptr="*i32", out_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32",
+             **common, CAP="i32"),
+        dict(BLOCK=cfg_topk.FINISH_BLOCK, **flags), cfg_topk.FINISH_NUM_WARPS,
+        ("x_ptr", "hist_ptr", "cand_ptr", "out_ptr", "stride_x"))
+    row_io = dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32", R="i32",
+                  **common)
+    row_aligned = ("x_ptr", "out_ptr", "scratch_ptr", "stride_x")
+    for cfg in cfg_topk.shipped_row_configs():
+        cap = cfg_topk.row_capacity(cfg_topk.ROW_MAX_TOPK, cfg)
+        add("row", str(cfg), topk._topk_row_kernel, row_io,
+            dict(BLOCK=cfg.block, CAP=cap, SAMPLE=cfg_topk.row_sample(cap), SIGMAS=cfg_topk.ROW_SIGMAS,
+                 PREFETCH=cfg.prefetch, **flags), cfg.num_warps, row_aligned)
+    for cfg in cfg_topk.shipped_sieve_configs():
+        cap, sample, direct = cfg_topk.sieve_sizes(cfg_topk.ROW_MAX_TOPK, cfg)
+        if cfg.split == 1:
+            add("sieve", str(cfg), topk._topk_sieve_kernel, row_io,
+                dict(BLOCK=cfg.block, LIST_BLOCK=cfg.list_block or cfg.block, CAP=cap, SAMPLE=sample, DIRECT=direct,
+                     SIGMAS=cfg_topk.ROW_SIGMAS, **flags), cfg.num_warps, row_aligned, cfg.max_regs)
+            continue
+        add("sieve-part", str(cfg), topk._topk_sieve_part_kernel,
+            dict(x_ptr="*fp32", scratch_ptr="*i32", state_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32", **common),
+            dict(BLOCK=cfg.block, CAP=cap, SAMPLE=sample, DIRECT=direct, SIGMAS=cfg_topk.ROW_SIGMAS, **flags),
+            cfg.num_warps, ("x_ptr", "scratch_ptr", "stride_x"))
+        add("sieve-merge", str(cfg), topk._topk_sieve_merge_kernel,
+            dict(x_ptr="*fp32", out_ptr="*i32", scratch_ptr="*i32", state_ptr="*i32", starts_ptr="*i32",
+                 ends_ptr="*i32", **common),
+            dict(BLOCK=cfg.merge_block, CAP=cap, **flags), cfg.merge_warps, row_aligned)
+    for max_n, cfg in cfg_topk.shipped_resident_configs():
+        cap, fin = cfg_topk.resident_sizes(max_n, cfg_topk.ROW_MAX_TOPK, cfg)
+        add("resident", f"max_n={max_n} {cfg}", topk._topk_resident_kernel, row_io,
+            dict(CAP=cap, FIN=fin, EMIT_BLOCK=cfg.emit_block, **flags), cfg.num_warps, row_aligned)
+    add("logical_to_global", f"BLOCK={cfg_topk.L2G_BLOCK}", topk._topk_logical_to_global_kernel,
+        dict(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", out_ptr="*i32", K="i32", B="i32", M="i32",
+             stride_bt="i32", page_size="i32"),
+        dict(BLOCK=cfg_topk.L2G_BLOCK), cfg_topk.L2G_NUM_WARPS, ("idx_ptr", "out_ptr"))
+    return jobs
+
+
+def slots_jobs(arch: int) -> list[AotJob]:
+    """The invalid-slot mask, with and without per-request lengths."""
+    sig = dict(idx_ptr="*i32", len_ptr="*i32", out_ptr="*i32", num_slots="i32", topk="i32", width="i32",
+               rows_per_request="i32", stride_idx_row="i32")
+    jobs = []
+    for has_len in (False, True):
+        cx = dict(HAS_LEN=has_len, BLOCK=slots.BLOCK)
+        jobs.append(AotJob("slots", "mask_invalid_slots", f"len={has_len}", arch, slots._mask_invalid_slots_kernel,
+                           _constexpr(sig, cx), cx, 4, 1, ("idx_ptr", "out_ptr")))
+    return jobs
+
+
+# ------------------------------------------------------------------------------------------------
+# KV-cache packing
+# ------------------------------------------------------------------------------------------------
+
+def fp8_ds_mla_jobs(arch: int) -> list[AotJob]:
+    """The 656-byte ``fp8_ds_mla`` pack / cache write, both scale formats."""
+    sig = {"kv_ptr": "*bf16", "out_ptr": "*u8", "slot_ptr": "*i64", "n_slots": "i32", "page_size": "i32",
+           "stride_kv": "i32", "stride_page": "i32"}
+    jobs = []
+    for pow2 in (False, True):
+        cx = {"POW2": pow2, "HAS_SLOTS": True}
+        jobs.append(AotJob("fp8_ds_mla", "pack", f"POW2={pow2}", arch, fp8_ds_mla._fp8_ds_mla_pack_kernel,
+                           _constexpr(sig, cx), cx, fp8_ds_mla.PACK_NUM_WARPS, 1))
+    return jobs
+
+
+def fp8_ds_mla_v4_jobs(arch: int) -> list[AotJob]:
+    """The DeepSeek-V4 cache write (all options on, all off) and unpack."""
+    write_sig = {"kv_ptr": "*bf16", "out_ptr": "*u8", "slot_ptr": "*i64", "w_ptr": "*bf16", "pos_ptr": "*i64",
+                 "cs_ptr": "*fp32", "n_slots": "i32", "page_size": "i32", "stride_kv": "i32", "stride_page": "i32",
+                 "stride_cs": "i32", "n_pos": "i32", "eps": "fp32"}
+    jobs = []
+    for flags in ((True, True, True), (False, False, False)):
+        cx = dict(zip(("HAS_SLOTS", "HAS_NORM", "HAS_ROPE"), flags))
+        # The launcher turns fused multiply-add off (separate roundings, as in the reference).
+        jobs.append(AotJob("fp8_ds_mla_v4", "write", " ".join(f"{k}={v}" for k, v in cx.items()), arch,
+                           fp8_ds_mla_v4._fp8_ds_mla_v4_write_kernel, _constexpr(write_sig, cx), cx,
+                           fp8_ds_mla_v4.V4_NUM_WARPS, 1, options={"enable_fp_fusion": False}))
+    unpack_sig = {"cache_ptr": "*u8", "out_ptr": "*bf16", "page_size": "i32", "stride_page": "i32"}
+    jobs.append(AotJob("fp8_ds_mla_v4", "unpack", "-", arch, fp8_ds_mla_v4._fp8_ds_mla_v4_unpack_kernel, unpack_sig,
+                       {}, fp8_ds_mla_v4.V4_NUM_WARPS, 1))
+    return jobs
+
+
+# ------------------------------------------------------------------------------------------------
+# Sparse MLA
+# ------------------------------------------------------------------------------------------------
+
+# Runtime launches specialise pointers and these strides as multiples of 16 (vectorised and
+# asynchronous copies, hence more shared memory): compile with the same attributes.
+_SPARSE_MLA_DIV16 = ("q_ptr kv_ptr idx_ptr sink_ptr topk_len_ptr out_ptr lse_ptr max_ptr stride_q_row stride_q_head "
+                     "stride_page stride_row stride_ob stride_or stride_os stride_oh part_o_ptr part_lse_ptr").split()
+
+
+def _div16(sig: dict[str, str]) -> tuple[str, ...]:
+    return tuple(n for n in _SPARSE_MLA_DIV16 if n in sig and sig[n] != "constexpr")
+
+
+def sparse_mla_jobs(arch: int) -> list[AotJob]:
+    """Prefill and split-K decode (bf16 and ``fp8_ds_mla`` keys) with every shipped configuration, and
+    the decode merge with every ``BLOCK_D``."""
+    native = arch >= FP8_NATIVE_MIN_ARCH
+    jobs = []
+    for kind, c, fp8 in cfg_sparse_mla.shipped_configs(arch):
+        split = kind == "decode"
+        sig = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
+               "topk_len_ptr": "*i32", "out_ptr": "*fp32" if split else "*bf16", "lse_ptr": "*fp32",
+               "max_ptr": "*fp32", "qk_scale": "fp32"}
+        for n in ("h_q topk n_slots page_size keys_per_split rows_per_batch stride_q_row stride_q_head "
+                  "stride_idx_row stride_page stride_row stride_ob stride_or stride_os stride_oh stride_lb "
+                  "stride_lr stride_ls stride_lh").split():
+            sig[n] = "i32"
+        cx = dict(D_ROPE=64, BLOCK_H=c.block_h, BLOCK_N=c.block_n, KV_FP8=fp8, FP8_NATIVE=native, SPLIT=split,
+                  IDX_AHEAD=c.idx_ahead, HAS_SINK=True, HAS_TOPK_LEN=True, HAS_MAX=not split)
+        label = (f"{'fp8' if fp8 else 'bf16'} BLOCK_H={c.block_h} BLOCK_N={c.block_n} warps={c.num_warps} "
+                 f"stages={c.num_stages} idx_ahead={c.idx_ahead}" + (f" maxnreg={c.maxnreg}" if c.maxnreg else ""))
+        jobs.append(AotJob("sparse_mla", kind, label, arch, sparse_mla_prefill._sparse_mla_fwd_kernel,
+                           _constexpr(sig, cx), cx, c.num_warps, c.num_stages, _div16(sig),
+                           {"maxnreg": c.maxnreg} if c.maxnreg else {}))
+    merge_sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+                 "lse_ptr": "*fp32", "h_q": "i32", "s_q": "i32", "num_splits": "i32"}
+    for block_d in cfg_sparse_mla.MERGE_BLOCK_D_CHOICES:
+        # with the grid-dependency wait where the launch has it
+        cx = {"D_V": 512, "BLOCK_H": cfg_sparse_mla.MERGE_BLOCK_H, "BLOCK_D": block_d, "HAS_SINK": True,
+              "WAIT_PRIMARY": arch >= sparse_mla_decode.PDL_MIN_ARCH}
+        sig = _constexpr(merge_sig, cx)
+        jobs.append(AotJob("sparse_mla", "merge", f"BLOCK_D={block_d}", arch,
+                           sparse_mla_decode._sparse_mla_decode_merge_kernel, sig, cx, cfg_sparse_mla.MERGE_NUM_WARPS,
+                           1, _div16(sig)))
+    return jobs
+
+
+def sparse_mla_v4_jobs(arch: int) -> list[AotJob]:
+    """DeepSeek-V4 sparse decode with every option on (sink, lengths, the extra cache and its lengths)."""
+    sig = {"q_ptr": "*bf16", "cache_ptr": "*u8", "idx_ptr": "*i32", "len_ptr": "*i32", "extra_cache_ptr": "*u8",
+           "extra_idx_ptr": "*i32", "extra_len_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+           "lse_ptr": "*fp32", "sm_scale": "fp32"}
+    for n in ("s_q h_q topk extra_topk page_size stride_page n_slots extra_page_size extra_stride_page "
+              "extra_n_slots").split():
+        sig[n] = "i32"
+    mod = sparse_mla_v4_decode
+    cx = dict(BLOCK_H=mod.BLOCK_H, BLOCK_K=mod.BLOCK_K, HAS_SINK=True, HAS_LEN=True, HAS_EXTRA=True,
+              HAS_EXTRA_LEN=True)
+    aligned = tuple(n for n in sig if n.endswith("_ptr"))
+    return [AotJob("sparse_mla_v4", "decode", f"BLOCK_H={mod.BLOCK_H} BLOCK_K={mod.BLOCK_K} extra", arch,
+                   mod._sparse_mla_v4_decode_kernel, _constexpr(sig, cx), cx, mod.NUM_WARPS, 3, aligned)]
+
+
+# ------------------------------------------------------------------------------------------------
+# mHC pre-norm GEMM
+# ------------------------------------------------------------------------------------------------
+
+def mhc_jobs(arch: int) -> list[AotJob]:
+    """The pre-norm GEMM, split-b and reduce kernels as :func:`nsa_backend.kernels.mhc.compile_shipped`
+    compiles them (the same selection, with readable configuration labels)."""
+    jobs = []
+    shipped = cfg_mhc.shipped_configs(arch)
+    pdl = mhc._pdl_enabled(arch)
+    for block_n, cfg, b_parts in shipped:
+        precisions = [cfg_mhc.PARTS_PRECISION] if b_parts else [
+            p for p in cfg_mhc.PRECISIONS if p == cfg_mhc.DEFAULT_PRECISION or block_n == cfg_mhc.BLOCK_N_BUCKETS[-1]]
+        sums = (False, True) if b_parts and cfg_mhc.ATOMIC_CHUNK_SUMS else (False,)
+        for precision in precisions:
+            for atomic_sums in sums:
+                sig, cx = mhc._gemm_variant(block_n, cfg, precision, b_parts, pdl, atomic_sums)
+                label = (f"BLOCK_N={block_n} BLOCK_M={cfg.block_m} BLOCK_K={cfg.block_k} {precision}"
+                         f"{' parts' if b_parts else ''}{' atomic' if atomic_sums else ''} "
+                         f"warps={cfg.num_warps} stages={cfg.num_stages}")
+                jobs.append(AotJob("mhc", "gemm", label, arch, mhc._mhc_prenorm_gemm_kernel, sig, cx, cfg.num_warps,
+                                   cfg.num_stages, mhc._GEMM_DIVISIBLE))
+    parts = any(b_parts for _, _, b_parts in shipped)
+    if parts:
+        for zero_out in sorted({False, cfg_mhc.ATOMIC_CHUNK_SUMS}):
+            cx = {"NUM_PARTS": mhc._num_parts(cfg_mhc.PARTS_PRECISION), "BLOCK": cfg_mhc.SPLIT_B_BLOCK,
+                  "USE_PDL": pdl, "ZERO_OUT": zero_out}
+            jobs.append(AotJob("mhc", "split_b", f"ZERO_OUT={zero_out}", arch, mhc._mhc_prenorm_split_b_kernel,
+                               mhc._SPLIT_B_SIGNATURE, cx, cfg_mhc.SPLIT_B_NUM_WARPS, 3, mhc._SPLIT_B_DIVISIBLE))
+    for use_pdl in sorted({False, parts and pdl}):
+        for block_j, block in cfg_mhc.shipped_reduce_blocks():
+            cx = {"BLOCK": block, "BLOCK_J": block_j, "USE_PDL": use_pdl}
+            jobs.append(AotJob("mhc", "reduce", f"BLOCK={block} BLOCK_J={block_j} pdl={use_pdl}", arch,
+                               mhc._mhc_prenorm_reduce_kernel, mhc._REDUCE_SIGNATURE, cx, cfg_mhc.REDUCE_NUM_WARPS, 3,
+                               mhc._REDUCE_DIVISIBLE))
+    return jobs
+
+
+FAMILIES: dict[str, Callable[[int], list[AotJob]]] = {
+    "indexer": indexer_jobs,
+    "topk": topk_jobs,
+    "slots": slots_jobs,
+    "fp8_ds_mla": fp8_ds_mla_jobs,
+    "fp8_ds_mla_v4": fp8_ds_mla_v4_jobs,
+    "sparse_mla": sparse_mla_jobs,
+    "sparse_mla_v4": sparse_mla_v4_jobs,
+    "mhc": mhc_jobs,
+}
+
+
+def shipped_jobs(archs: Iterable[int], families: Iterable[str] | None = None) -> list[AotJob]:
+    """Every :class:`AotJob` of ``families`` (default: all of :data:`FAMILIES`) on each of ``archs``.
+
+    Raises
+    ------
+    ValueError
+        If a family is not in :data:`FAMILIES`.
+    """
+    names = list(FAMILIES) if families is None else list(families)
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise ValueError(f"families: unknown {unknown}, expected some of {sorted(FAMILIES)}")
+    return [job for arch in archs for name in names for job in FAMILIES[name](arch)]
