@@ -135,7 +135,8 @@ def _fp8_ds_mla_v4_e4m3_value(code):
     sub = man.to(tl.float32) * 0.001953125  # exponent 0: man * 2^-9
     a = tl.where(exp == 0, sub, normal)
     a = tl.where((exp == 15) & (man == 7), float("nan"), a)
-    return tl.where(sign == 1, -a, a)
+    # the sign goes in as a bit, so -0.0 stays -0.0 (Triton 3.4's interpreter negates 0.0 to +0.0)
+    return (a.to(tl.uint32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["page_size", "stride_page"])
