@@ -20,7 +20,13 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from nsa_backend import routing
+from nsa_backend.routing import config
+
 HAS_GPU = torch.cuda.is_available()
+# Settings of the framework integrations read from the environment (their own config tables).
+INTEGRATION_ENV = ("NSA_BACKEND_SGLANG_TAKEOVER", "NSA_BACKEND_VLLM_TAKEOVER", "NSA_BACKEND_VLLM_INDEXER",
+                   "NSA_BACKEND_VLLM_HC_PRENORM")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,6 +36,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def routing_isolated(monkeypatch):
+    """No nsa-backend setting from the environment, and fresh routing state before and after."""
+    for var in (config.CONFIG_ENV, config.FORCE_ARCH_ENV, config.LOG_LEVEL_ENV, *config.FAMILY_ENV.values(),
+                *INTEGRATION_ENV):
+        monkeypatch.delenv(var, raising=False)
+    routing.reset_config()
+    routing.set_native_status(None)
+    yield
+    routing.reset_config()
+    routing.set_native_status(None)
 
 
 @pytest.fixture(autouse=True)

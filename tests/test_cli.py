@@ -26,15 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "triton", "nsa_backend", "nsa_backend_integrations", "rich")
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in (config.CONFIG_ENV, config.FORCE_ARCH_ENV, config.LOG_LEVEL_ENV, *config.FAMILY_ENV.values()):
-        monkeypatch.delenv(var, raising=False)
-    routing.reset_config()
-    routing.set_native_status(None)
-    yield
-    routing.reset_config()
-    routing.set_native_status(None)
+pytestmark = pytest.mark.usefixtures("routing_isolated")
 
 
 def test_plan_valid(capsys):

@@ -14,23 +14,9 @@ import pytest
 
 from nsa_backend import cli, routing
 from nsa_backend._cli_demo import run_demo
-from nsa_backend.routing import config
 from nsa_backend.routing.device import ARCH_FAMILIES
 
-INTEGRATION_ENV = ("NSA_BACKEND_SGLANG_TAKEOVER", "NSA_BACKEND_VLLM_TAKEOVER", "NSA_BACKEND_VLLM_INDEXER",
-                   "NSA_BACKEND_VLLM_HC_PRENORM")
-
-
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in (config.CONFIG_ENV, config.FORCE_ARCH_ENV, config.LOG_LEVEL_ENV, *config.FAMILY_ENV.values(),
-                *INTEGRATION_ENV):
-        monkeypatch.delenv(var, raising=False)
-    routing.reset_config()
-    routing.set_native_status(None)
-    yield
-    routing.reset_config()
-    routing.set_native_status(None)
+pytestmark = pytest.mark.usefixtures("routing_isolated")
 
 
 @pytest.fixture
