@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 
 # nsa_backend.bench.FAMILIES, spelled out so the parser imports no torch (a test keeps them equal)
-FAMILIES: tuple[str, ...] = ("indexer", "topk", "sparse_mla", "mhc")
+FAMILIES: tuple[str, ...] = ("indexer", "topk", "sparse_mla", "mhc", "eager")
+# nsa_backend.bench.proxy.PROXY_ARCHS, likewise spelled out
+PROXY_ARCHS: tuple[str, ...] = ("sm80", "sm86", "sm89", "sm120", "sm121")
 
 DESCRIPTION = (
     "Time every op family on its standard shapes against the torch fallback, the native kernels that are "
@@ -30,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--git-commit", metavar="SHA", default=None,
                         help="commit to record in results.json (default: asked from git)")
+    parser.add_argument("--proxy", metavar="ARCH", default=None, choices=PROXY_ARCHS,
+                        help="on an sm_90 / sm_100 GPU, time the route of this mma.sync arch "
+                             f"({', '.join(PROXY_ARCHS)}): its launch configurations and shared-memory budget, "
+                             "Triton's Hopper MMA disabled (DISABLE_MMA_V3=1), natives and Gluon off, limits "
+                             "from a Triton matmul under the same restriction, and a SASS check (sass.md); "
+                             "default output bench/results/<gpu>-proxy-<arch>")
     parser.add_argument("--replot", metavar="PATH", default=None,
                         help="measure nothing: rewrite results.md, results.csv and the plots from PATH "
                              "(a results.json or its directory), into --out if given")

@@ -43,7 +43,8 @@ def run_bench(args: argparse.Namespace) -> int:
             console.print(f"results: {out_dir / 'results.md'}")
             return 0
         result, out_dir = run_suite(_split_ops(args.ops), quick=args.quick, out=args.out, plots=args.plots,
-                                    progress=args.progress, git_commit=args.git_commit)
+                                    progress=args.progress, git_commit=args.git_commit,
+                                    proxy_arch=args.proxy)
     except (ValueError, json.JSONDecodeError) as exc:
         console.print(f"[red]nsa-backend bench: {exc}[/red]")
         return 2
@@ -55,6 +56,12 @@ def run_bench(args: argparse.Namespace) -> int:
             console.print(f"[{style}]{family:<11} {info['status']:<8}[/{style}] {info['rows']:>3} rows, "
                           f"{info['seconds']:.1f} s{note}")
         failed |= info["status"] == "error"
+    sass = (result.get("proxy") or {}).get("sass")
+    if sass is not None:
+        style = "green" if sass["ok"] else "red"
+        console.print(f"[{style}]proxy SASS check: {'held' if sass['ok'] else sass['problem']}[/{style}] "
+                      f"({out_dir / 'sass.md'})")
+        failed |= not sass["ok"]
     console.print(f"results: {out_dir / 'results.md'}")
     return 1 if failed else 0
 

@@ -9,6 +9,10 @@ Three rates, each timed with :func:`nsa_backend.bench.timing.bench_ms`:
   fast accumulation, bf16 output, ``2 n^3`` FLOPs (``None`` below compute capability 8.9 or
   where the op is missing).
 
+Under the mma.sync proxy (:mod:`nsa_backend.bench.proxy`) the two matmul rates are those of a
+plain Triton GEMM compiled under the same restriction (:mod:`nsa_backend.bench.triton_matmul`), the
+ceiling of the proxied arch's kernels on this GPU, instead of cuBLAS's.
+
 On CPU (always quick) the sizes are small and the fp8 rate is ``None``; the numbers only
 exercise the harness.
 """
@@ -19,6 +23,7 @@ import warnings
 
 import torch
 
+from nsa_backend.bench import triton_matmul
 from nsa_backend.bench.timing import bench_ms
 
 LIMIT_KEYS: tuple[str, ...] = ("copy_gbps", "bf16_tflops", "fp8_tflops")
@@ -65,8 +70,12 @@ def _fp8_tflops(device: torch.device, n: int, warmup: float, rep: float) -> floa
     return 2 * n**3 / ms / 1e9
 
 
-def measure_limits(device: str | torch.device, quick: bool) -> dict[str, float | None]:
+def measure_limits(device: str | torch.device, quick: bool,
+                   mma_sync_smem: int | None = None) -> dict[str, float | None]:
     """Measure ``{"copy_gbps", "bf16_tflops", "fp8_tflops"}`` on ``device``.
+
+    With ``mma_sync_smem`` (bytes of shared memory per block, set by the proxy) the matmul rates are
+    the best of the Triton GEMM's configurations that fit it.
 
     A rate that cannot be measured here (no fp8 matmul, an error) is ``None`` and a warning says
     why; benchmark modules then leave out the ratio against it.
@@ -77,10 +86,23 @@ def measure_limits(device: str | torch.device, quick: bool) -> dict[str, float |
     sizes = limit_sizes(dev, quick)
     warmup, rep = (5.0, 20.0) if dev.type != "cuda" else (25.0, 100.0)
     out: dict[str, float | None] = dict.fromkeys(LIMIT_KEYS)
+    n = sizes["matmul_n"]
+    if mma_sync_smem is not None and dev.type == "cuda":
+        def bf16() -> float:
+            return triton_matmul.best_tflops(n, torch.bfloat16, dev, mma_sync_smem, warmup, rep)[0]
+
+        def fp8() -> float:
+            return triton_matmul.best_tflops(n, torch.float8_e4m3fn, dev, mma_sync_smem, warmup, rep)[0]
+    else:
+        def bf16() -> float:
+            return _bf16_tflops(dev, n, warmup, rep)
+
+        def fp8() -> float | None:
+            return _fp8_tflops(dev, n, warmup, rep)
     steps = (
         ("copy_gbps", lambda: _copy_gbps(dev, sizes["copy_bytes"], warmup, rep)),
-        ("bf16_tflops", lambda: _bf16_tflops(dev, sizes["matmul_n"], warmup, rep)),
-        ("fp8_tflops", lambda: _fp8_tflops(dev, sizes["matmul_n"], warmup, rep)),
+        ("bf16_tflops", bf16),
+        ("fp8_tflops", fp8),
     )
     for key, measure in steps:
         try:

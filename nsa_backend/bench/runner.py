@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from nsa_backend.bench import FAMILIES, builtin
+from nsa_backend.bench import FAMILIES, builtin, proxy
 from nsa_backend.bench.limits import LIMIT_KEYS, limit_sizes, measure_limits
 from nsa_backend.bench.schema import SCHEMA_VERSION, validate, validate_row
 from nsa_backend.routing.router import OP_FAMILY as ROUTE_FAMILY
@@ -368,6 +368,7 @@ def run_suite(
     git_commit: str | None = None,
     argv: Sequence[str] | None = None,
     modules: dict[str, str] | None = None,
+    proxy_arch: str | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """Run the benchmark suite and write its files; returns ``(result, output directory)``.
 
@@ -388,15 +389,23 @@ def run_suite(
         Command line to record (default ``sys.argv``).
     modules : dict, optional
         Family -> module name overrides (default ``nsa_backend.bench.<family>``).
+    proxy_arch : str, optional
+        Time the route of this mma.sync arch (``sm120``, ``sm89``, ...) on a Hopper GPU
+        (:mod:`nsa_backend.bench.proxy`); results go to ``bench/results/<gpu>-proxy-<arch>`` by default,
+        with ``sass.md``. Raises ``ValueError`` before anything runs when the GPU cannot serve as the proxy.
     """
     families, only = select(ops)
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
+    settings = None
+    if proxy_arch is not None:
+        settings = proxy.enable(proxy_arch, torch.cuda.get_device_capability() if on_gpu else None)
     if not on_gpu and not quick:
         warnings.warn("bench: no CUDA GPU, running the quick reference-path cases", RuntimeWarning, stacklevel=2)
         quick = True
     env = environment(git_commit)
-    out_dir = Path(out) if out is not None else Path("bench", "results", device_slug(env["gpu_name"]))
+    slug = device_slug(env["gpu_name"]) + (f"-proxy-{settings.arch}" if settings is not None else "")
+    out_dir = Path(out) if out is not None else Path("bench", "results", slug)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -411,9 +420,12 @@ def run_suite(
         "families": {},
         "rows": [],
     }
+    if settings is not None:
+        result["proxy"] = {**settings.record(), "sass": None}
     with _progress(progress) as bar:
         task = bar.add_task("limits", total=len(families) + 1)
-        limits = result["limits"] = measure_limits(device, quick)
+        limits = result["limits"] = measure_limits(
+            device, quick, mma_sync_smem=settings.shared_memory_limit if settings is not None else None)
         bar.advance(task)
         for family in families:
             bar.update(task, description=family)
@@ -429,6 +441,11 @@ def run_suite(
                                   f"{info['seconds']:.1f} s" + (f": {info['note']}" if info["note"] else ""))
             bar.advance(task)
         bar.update(task, description="done")
+    if settings is not None:
+        sass = proxy.scan_sass(settings.triton_cache_dir, settings.shared_memory_limit)
+        result["proxy"]["sass"] = {key: sass[key] for key in ("ok", "problem", "totals")}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "sass.md").write_text(proxy.sass_markdown(result["proxy"], sass))
     write_results(result, out_dir, plots=plots)
     return result, out_dir
 
@@ -508,6 +525,9 @@ def markdown(result: dict[str, Any]) -> str:
     commit = env["git_commit"] or "unknown"
     if env["git_dirty"]:
         commit += " (with uncommitted changes)"
+    prx = result.get("proxy")
+    mm_label = " (Triton, mma.sync)" if prx else ""
+    fp8_label = " (Triton, mma.sync)" if prx else " (torch._scaled_mm)"
     lines = [
         "# nsa-backend benchmark results",
         "",
@@ -521,6 +541,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"| native kernels | {native} |",
         f"| nsa-backend | {env['nsa_backend']}, commit {commit} |",
         f"| created | {result['created']}{' (quick mode)' if result['quick'] else ''} |",
+        *_proxy_lines(prx),
         "",
         "## Hardware limits measured in this run",
         "",
@@ -528,8 +549,8 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|",
         f"| device-to-device copy (bytes read + written) | {_rate(limits['copy_gbps'], 'GB/s')} "
         f"| {_size(sizes['copy_bytes'])} |",
-        f"| bf16 matmul | {_rate(limits['bf16_tflops'], 'TFLOP/s')} | {sizes['matmul_n']}^3 |",
-        f"| fp8 matmul (torch._scaled_mm) | {_rate(limits['fp8_tflops'], 'TFLOP/s')} | {sizes['matmul_n']}^3 |",
+        f"| bf16 matmul{mm_label} | {_rate(limits['bf16_tflops'], 'TFLOP/s')} | {sizes['matmul_n']}^3 |",
+        f"| fp8 matmul{fp8_label} | {_rate(limits['fp8_tflops'], 'TFLOP/s')} | {sizes['matmul_n']}^3 |",
         "",
         "Ratios: `vs_<impl>` = ms of `<impl>` / ms of this row (how many times faster, > 1 is faster); "
         "`of_copy`, `of_bf16_mm`, `of_fp8_mm` = this row's GB/s or TFLOP/s as a fraction of the limit above. "
@@ -550,6 +571,19 @@ def markdown(result: dict[str, Any]) -> str:
                      _fmt(r["tflops"]), _fmt(r["gbps"]), *(fmt_ratio(c, r["ratios"].get(c)) for c in cols)]
             lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _proxy_lines(prx: dict[str, Any] | None) -> list[str]:
+    if not prx:
+        return []
+    sass = prx.get("sass") or {}
+    verdict = "not checked" if not sass else ("held" if sass["ok"] else f"broken: {sass['problem']}")
+    totals = sass.get("totals") or {}
+    return [f"| proxy | {prx['arch']} on this GPU: `DISABLE_MMA_V3=1` (tl.dot as mma.sync), routing and launch "
+            f"configurations of {prx['arch']}, {prx['shared_memory_limit']} B shared memory per block, Gluon and "
+            f"native packages off |",
+            f"| SASS check | {verdict}; {totals.get('kernels', 0)} kernels, {totals.get('warp_mma', 0)} mma.sync and "
+            f"{totals.get('warpgroup_mma', 0)} warpgroup MMA instructions (sass.md) |"]
 
 
 def write_csv(result: dict[str, Any], path: Path) -> None:

@@ -96,6 +96,12 @@ SCHEMA: dict[str, Any] = {
             },
         },
         "rows": {"type": "array", "items": ROW_SCHEMA},
+        # Only in runs of the mma.sync proxy (nsa_backend.bench.proxy).
+        "proxy": {
+            "type": "object",
+            "required": ["arch", "capability", "shared_memory_limit", "disable_mma_v3", "gluon", "sass"],
+            "additionalProperties": True,
+        },
     },
     "additionalProperties": False,
 }

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_backend.bench import proxy
 from nsa_backend.bench.timing import bench_ms, gbps, tflops
 
 FAMILY = "sparse_mla"
@@ -53,6 +54,8 @@ DECODE_SCALE_FORMAT = "pow2"
 
 
 def _flash_mla() -> Any | None:
+    if proxy.active():  # the proxied arch has no FlashMLA; its sm_90 kernels would time the wrong chip
+        return None
     try:
         import flash_mla
     except Exception:

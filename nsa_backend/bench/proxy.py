@@ -1,0 +1,212 @@
+"""The mma.sync proxy: the SM120 / SM8x route timed on a Hopper GPU.
+
+No SM120 or SM8x GPU needs to be at hand to time the kernels those GPUs run. On an sm_90 (or
+sm_100) GPU, ``nsa-backend bench --proxy sm120``
+
+- forces routing and the Triton launchers to the proxied arch (``NSA_BACKEND_FORCE_ARCH``): its
+  launch configurations and its shared-memory budget (99 KiB per block on sm_120 / sm_121 / sm_86 /
+  sm_89, 163 KiB on sm_80), its kernels (no Gluon, no native package);
+- disables Triton's Hopper MMA (``DISABLE_MMA_V3=1``), so ``tl.dot`` lowers to ``mma.sync``, the
+  tensor-core instruction SM120 and SM8x have (no wgmma, no tcgen05);
+- compiles into a fresh Triton cache, and after the run disassembles every kernel compiled in it
+  (:func:`scan_sass`): the proxy holds only when no warpgroup MMA (``HGMMA`` / ``QGMMA``...) is
+  left and the kernels' shared memory fits the proxied budget;
+- measures the compute ceilings with a plain Triton matmul under the same restriction
+  (:mod:`nsa_backend.bench.triton_matmul`) instead of cuBLAS, so ``of_bf16_mm`` / ``of_fp8_mm`` are
+  fractions of what mma.sync reaches on this GPU.
+
+What the proxy does not model: SM120's own memory bandwidth and clocks (the H200's HBM is several
+times faster than GDDR7), and instruction rates that differ between the chips. Ratios against the
+same-run limits are the comparable figures, not the milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from nsa_backend import envs
+from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
+from nsa_backend.routing.config import reset_config
+
+# Arch families the proxy stands in for, with their compute capability.
+PROXY_ARCHS: dict[str, int] = {"sm80": 80, "sm86": 86, "sm89": 89, "sm120": 120, "sm121": 121}
+# Set while a proxy run is active; benchmark modules then leave the native packages out.
+PROXY_ENV = "NSA_BACKEND_BENCH_PROXY"
+# Warpgroup (Hopper) and tcgen05 (Blackwell) MMA opcodes: none may remain under the proxy.
+WARPGROUP_MMA = re.compile(r"\b([A-Z]GMMA|UTC[A-Z0-9]*MMA[A-Z0-9]*)\b")
+# Warp-level MMA opcodes (mma.sync): HMMA (fp16 / bf16 / tf32), QMMA (fp8), IMMA (int8).
+WARP_MMA = re.compile(r"\b([HQIDB]MMA)\b")
+_OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?", re.M)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxySettings:
+    """What a proxy run set up; recorded in ``results.json`` under ``"proxy"``."""
+
+    arch: str
+    capability: int
+    shared_memory_limit: int
+    triton_cache_dir: str
+    disable_mma_v3: bool = True
+    gluon: bool = False
+
+    def record(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("triton_cache_dir")
+        return out
+
+
+def active() -> str | None:
+    """The proxied arch of the running benchmark (``None`` outside a proxy run)."""
+    return os.environ.get(PROXY_ENV) or None
+
+
+def check_arch(arch: str) -> str:
+    """``arch`` if the proxy can stand in for it, else ``ValueError`` naming ``--proxy``."""
+    if arch not in PROXY_ARCHS:
+        raise ValueError(f"--proxy: expected one of {list(PROXY_ARCHS)} (the mma.sync arches timed on a Hopper "
+                         f"GPU), got {arch!r}")
+    return arch
+
+
+def check_gpu(capability: tuple[int, int] | None) -> None:
+    """Refuse a GPU the proxy cannot run on: it needs one with warpgroup MMA to take away (sm_90 / sm_100)."""
+    if capability is None:
+        raise ValueError("--proxy: needs a CUDA GPU (sm_90 or sm_100); without one run the suite without --proxy")
+    if capability[0] not in (9, 10):
+        raise ValueError(f"--proxy: runs on an sm_90 or sm_100 GPU, this one is sm_{capability[0]}{capability[1]}; "
+                         "on an SM120 or SM8x GPU run the suite without --proxy, it then times the real route")
+
+
+def enable(arch: str, capability: tuple[int, int] | None) -> ProxySettings:
+    """Set the process up as the proxy of ``arch``; call before any Triton kernel is compiled.
+
+    Sets ``DISABLE_MMA_V3=1``, ``NSA_BACKEND_FORCE_ARCH=arch``, ``NSA_BACKEND_GLUON=0``, a fresh
+    ``TRITON_CACHE_DIR`` (so :func:`scan_sass` sees this run's kernels only) and :data:`PROXY_ENV`,
+    and drops routing decisions cached before.
+    """
+    check_arch(arch)
+    check_gpu(capability)
+    cache_dir = tempfile.mkdtemp(prefix=f"nsa-backend-proxy-{arch}-")
+    os.environ.update({
+        "DISABLE_MMA_V3": "1",
+        envs.FORCE_ARCH: arch,
+        envs.GLUON: "0",
+        "TRITON_CACHE_DIR": cache_dir,
+        PROXY_ENV: arch,
+    })
+    _reset_triton_cache_dir(cache_dir)
+    reset_config()  # routing re-reads the forced arch
+    capability_number = PROXY_ARCHS[arch]
+    return ProxySettings(arch=arch, capability=capability_number,
+                         shared_memory_limit=SHARED_MEMORY_LIMIT[capability_number], triton_cache_dir=cache_dir)
+
+
+def _reset_triton_cache_dir(cache_dir: str) -> None:
+    # Triton reads TRITON_CACHE_DIR through its knobs, which may have cached the value already.
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    cache = getattr(knobs, "cache", None)
+    if cache is not None and hasattr(cache, "dir"):
+        try:
+            cache.dir = cache_dir
+        except (AttributeError, TypeError):
+            pass
+
+
+def _cuobjdump() -> str | None:
+    try:
+        from triton import knobs
+
+        path = knobs.nvidia.cuobjdump.path
+        if path and Path(path).exists():
+            return path
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+    return shutil.which("cuobjdump")
+
+
+def opcode_counts(sass: str) -> Counter[str]:
+    """Opcode -> number of instructions in a ``cuobjdump -sass`` listing (predicates and modifiers dropped)."""
+    return Counter(m.group(1) for m in _OPCODE.finditer(sass))
+
+
+def scan_sass(cache_dir: str | os.PathLike[str], shared_memory_limit: int) -> dict[str, Any]:
+    """Disassemble every cubin under ``cache_dir`` and check the proxy held.
+
+    Returns ``{"ok", "problem", "kernels": [{"name", "shared", "num_warps", "warp_mma", "warpgroup_mma",
+    "opcodes_mma"}], "totals"}``: ``ok`` is true when at least one kernel was found, none has a warpgroup
+    MMA instruction and none uses more shared memory than ``shared_memory_limit``.
+    """
+    tool = _cuobjdump()
+    kernels: list[dict[str, Any]] = []
+    if tool is None:
+        return {"ok": False, "problem": "cuobjdump not found (neither Triton's nor on PATH)", "kernels": [],
+                "totals": {}}
+    for cubin in sorted(Path(cache_dir).rglob("*.cubin")):
+        meta_path = cubin.with_suffix(".json")
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        listing = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
+        counts = opcode_counts(listing)
+        mma = {op: n for op, n in counts.items() if WARP_MMA.fullmatch(op) or WARPGROUP_MMA.fullmatch(op)}
+        kernels.append({
+            "name": meta.get("name", cubin.stem),
+            "shared": int(meta.get("shared", 0) or 0),
+            "num_warps": meta.get("num_warps"),
+            "warp_mma": sum(n for op, n in mma.items() if WARP_MMA.fullmatch(op)),
+            "warpgroup_mma": sum(n for op, n in mma.items() if WARPGROUP_MMA.fullmatch(op)),
+            "opcodes_mma": dict(sorted(mma.items())),
+        })
+    totals = {
+        "kernels": len(kernels),
+        "with_warp_mma": sum(k["warp_mma"] > 0 for k in kernels),
+        "warp_mma": sum(k["warp_mma"] for k in kernels),
+        "warpgroup_mma": sum(k["warpgroup_mma"] for k in kernels),
+        "max_shared": max((k["shared"] for k in kernels), default=0),
+    }
+    problems = []
+    if not kernels:
+        problems.append(f"no compiled kernel found under {cache_dir}")
+    if totals["warpgroup_mma"]:
+        names = sorted({k["name"] for k in kernels if k["warpgroup_mma"]})
+        problems.append(f"warpgroup MMA left in {names}")
+    over = sorted({k["name"] for k in kernels if k["shared"] > shared_memory_limit})
+    if over:
+        problems.append(f"shared memory over {shared_memory_limit} B in {over}")
+    return {"ok": not problems, "problem": "; ".join(problems) or None, "kernels": kernels, "totals": totals}
+
+
+def sass_markdown(settings: dict[str, Any], sass: dict[str, Any]) -> str:
+    """``sass.md``: the proxy's settings, the verdict and one line per compiled kernel."""
+    t = sass["totals"]
+    lines = [
+        f"# SASS check of the {settings['arch']} proxy",
+        "",
+        f"Settings: `DISABLE_MMA_V3=1`, routing forced to `{settings['arch']}`, Gluon off, shared memory "
+        f"budget {settings['shared_memory_limit']} B per block.",
+        "",
+        f"Verdict: **{'held' if sass['ok'] else 'broken'}**" + (f" ({sass['problem']})" if sass["problem"] else ""),
+        "",
+        f"{t.get('kernels', 0)} kernels compiled in the run; {t.get('with_warp_mma', 0)} use mma.sync "
+        f"({t.get('warp_mma', 0)} warp MMA instructions), {t.get('warpgroup_mma', 0)} warpgroup MMA instructions "
+        f"in all; largest shared memory {t.get('max_shared', 0)} B.",
+        "",
+        "| kernel | shared B | warps | warp MMA | warpgroup MMA | MMA opcodes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k in sorted(sass["kernels"], key=lambda k: k["name"]):
+        ops = ", ".join(f"{op} {n}" for op, n in k["opcodes_mma"].items()) or "-"
+        lines.append(f"| {k['name']} | {k['shared']} | {k['num_warps']} | {k['warp_mma']} | {k['warpgroup_mma']} "
+                     f"| {ops} |")
+    return "\n".join(lines) + "\n"
