@@ -323,7 +323,7 @@ def _run_family(family: str, module_name: str, quick: bool, limits: dict[str, fl
     try:
         module = _load_family(module_name)
         if module is None:
-            if quick:
+            if quick and family in builtin.CASES:
                 info.update(source="builtin", note=f"no module {module_name}: built-in tiny case")
                 raw = builtin.run(family, quick, limits)
             else:

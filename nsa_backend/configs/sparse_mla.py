@@ -99,6 +99,20 @@ def arch_class(arch: int | None) -> str:
     return "small"
 
 
+# Heads per program at most, per arch class. On the 99 KiB parts a 64-head program fits only 16-key
+# tiles next to its q tile, and the fp8 decode kernel spills; two 32-head programs per 64 heads with
+# 32-key tiles run about twice as fast (mma.sync proxy of sm_120 on an H200, topk 2048: 64-head decode
+# at B 128 1.13 ms as one 64-head program, 0.27 ms per 32-head program; 64-head prefill at s_q 4096
+# 19.9 ms, 4.3 ms per 32 heads).
+MAX_BLOCK_H: dict[str, int] = {"sm90": 64, "sm80": 64, "small": 32}
+
+
+def heads_per_program(h_q: int, arch: int | None) -> int:
+    """Heads per program of the ``tl`` sparse MLA kernels: the next power of two of ``h_q`` in
+    [16, ``MAX_BLOCK_H`` of the arch class]."""
+    return min(MAX_BLOCK_H[arch_class(arch)], max(16, 1 << max(0, h_q - 1).bit_length()))
+
+
 # Shared memory measured by the ahead-of-time compile (bf16 prefill / fp8 decode, Triton 3.9):
 # sm_90 (64, 64, 8, 2) 221 / 190 KiB, (16, 64, 4, 2) 94 / 110 KiB; sm_80 (64, 32, 8, 2) 115 / 119 KiB;
 # sm_120 (64, 16, 8, 2) 94 / 97 KiB, (16, 32, 4, 2) 56 / 64 KiB. sm_90 prefill (16, 32, 4, 3) 55 KiB,
@@ -179,7 +193,7 @@ def split_keys(topk: int, num_splits: int, block_n: int) -> tuple[int, int]:
 def shipped_configs(arch: int) -> list[tuple[str, AttnConfig, bool]]:
     """Every ``(kind, config, kv_fp8)`` the selectors can return on ``sm_<arch>``."""
     out: list[tuple[str, AttnConfig, bool]] = []
-    for bh in BLOCK_H_CHOICES:
+    for bh in (b for b in BLOCK_H_CHOICES if b <= MAX_BLOCK_H[arch_class(arch)]):
         item = ("prefill", prefill_config(bh, arch), False)
         if item not in out:
             out.append(item)

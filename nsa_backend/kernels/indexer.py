@@ -44,6 +44,7 @@ import triton.language as tl
 
 from nsa_backend.configs import indexer as cfgs
 from nsa_backend.kernels._arch import device_arch, device_sms
+from nsa_backend.kernels._launch import CachedLauncher
 from nsa_backend.reference import PAGED_SCHEDULE_SPLIT_KV
 
 __all__ = [
@@ -499,7 +500,7 @@ def fp8_mqa_logits_triton(
     hp = cfgs.padded_heads(H)
     bq = max(1, cfg.cols // hp)
     grid = (triton.cdiv(S, bq),)
-    _indexer_ragged_logits_kernel[grid](
+    _launch_indexer_ragged_logits[grid](
         _fp8_operand(q, native), _fp8_operand(k, native), k_scale, weights,
         cu_seq_len_k_start, cu_seq_len_k_end, out,
         S, N, H, out.stride(0), max_seqlen_k, 1.0 if native else _DECODE_SCALE,
@@ -539,7 +540,7 @@ def get_paged_mqa_logits_metadata_triton(
     else:
         stride, offset = 1, 0
     block_b = min(1024, max(16, triton.next_power_of_2(max(B, 1))))
-    _indexer_paged_schedule_kernel[(1,)](
+    _launch_indexer_paged_schedule[(1,)](
         context_lens, out, B, stride, offset, num_sms,
         SPLIT=PAGED_SCHEDULE_SPLIT_KV, BLOCK_B=block_b, BLOCK_SM=64 if block_b <= 256 else 16, num_warps=4,
     )
@@ -621,7 +622,7 @@ def fp8_paged_mqa_logits_triton(
     hp = cfgs.padded_heads(H)
     rows = max(1, cfg.cols // hp)
     grid = (B * triton.cdiv(next_n, rows), triton.cdiv(max_context_len, chunk))
-    _indexer_paged_logits_kernel[grid](
+    _launch_indexer_paged_logits[grid](
         _fp8_operand(q, native), kv_cache, weights, context_lens, block_table, out,
         H, max_context_len, num_pages, block_table.shape[1], block_table.stride(0), stride_page,
         out.stride(0),
@@ -633,3 +634,9 @@ def fp8_paged_mqa_logits_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg),
     )
     return out
+
+
+# Launchers that reuse the compiled kernel per call signature (host time of eager calls).
+_launch_indexer_ragged_logits = CachedLauncher(_indexer_ragged_logits_kernel)
+_launch_indexer_paged_schedule = CachedLauncher(_indexer_paged_schedule_kernel)
+_launch_indexer_paged_logits = CachedLauncher(_indexer_paged_logits_kernel)

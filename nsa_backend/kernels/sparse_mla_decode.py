@@ -42,6 +42,7 @@ from nsa_backend.configs.sparse_mla import (
 )
 from nsa_backend.kernels._arch import device_arch, device_capability, device_sms
 from nsa_backend.kernels._gluon import gluon_enabled
+from nsa_backend.kernels._launch import CachedLauncher
 from nsa_backend.kernels.sparse_mla_prefill import (
     LOG2E,
     _sparse_mla_bf16,
@@ -138,7 +139,7 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, attn_sink: torch.
     head_blocks = triton.cdiv(h_q, MERGE_BLOCK_H)
     block_d = merge_block_d(R * head_blocks, d_v, device_sms(part_o.device))
     pdl = merge_pdl(part_o.device)
-    _sparse_mla_decode_merge_kernel[(R, head_blocks, d_v // block_d)](
+    _launch_sparse_mla_decode_merge[(R, head_blocks, d_v // block_d)](
         part_o, part_lse, attn_sink, out, lse, h_q, out.shape[1], splits,
         D_V=d_v, BLOCK_H=MERGE_BLOCK_H, BLOCK_D=block_d, WAIT_PRIMARY=pdl, num_warps=MERGE_NUM_WARPS,
         **({"launch_pdl": True} if pdl else {}),
@@ -160,7 +161,7 @@ def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: t
                 num_splits: int | None = None) -> tuple[AttnConfig, int, int]:
     """``(config, num_splits, keys_per_split)`` for a decode call (shapes and device only)."""
     arch = device_arch(device)
-    cfg = config or decode_config(block_h_for(h_q), arch, kv_format == "fp8_ds_mla")
+    cfg = config or decode_config(block_h_for(h_q, arch), arch, kv_format == "fp8_ds_mla")
     head_blocks = triton.cdiv(h_q, cfg.block_h)
     if num_splits is None:
         sms = device_sms(device, FALLBACK_NUM_SMS)
@@ -279,7 +280,7 @@ def sparse_mla_decode_triton(
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), width)
     if splits == 1:
-        _sparse_mla_fwd_kernel[(R, head_blocks, 1)](
+        _launch_sparse_mla_fwd[(R, head_blocks, 1)](
             q, kv_cache, idx, attn_sink, topk_length, out, lse, None, *args,
             out.stride(0), out.stride(1), 0, out.stride(2),
             lse.stride(0), lse.stride(2), 0, lse.stride(1),
@@ -288,7 +289,7 @@ def sparse_mla_decode_triton(
         return out, lse
     part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
     part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
-    _sparse_mla_fwd_kernel[(R, head_blocks, splits)](
+    _launch_sparse_mla_fwd[(R, head_blocks, splits)](
         q, kv_cache, idx, None, topk_length, part_o, part_lse, None, *args,
         s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
@@ -296,3 +297,8 @@ def sparse_mla_decode_triton(
     )
     merge_splits(part_o, part_lse, attn_sink, out, lse)
     return out, lse
+
+
+# Launchers that reuse the compiled kernel per call signature (host time of eager calls).
+_launch_sparse_mla_decode_merge = CachedLauncher(_sparse_mla_decode_merge_kernel)
+_launch_sparse_mla_fwd = CachedLauncher(_sparse_mla_fwd_kernel)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from nsa_backend import envs
-from nsa_backend.configs.sparse_mla import AttnConfig, prefill_config
+from nsa_backend.configs.sparse_mla import AttnConfig, heads_per_program, prefill_config
 from nsa_backend.kernels._arch import device_arch
 
 LOG2E = 1.4426950408889634
@@ -275,9 +275,10 @@ def prefill_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tens
     return out, max_logits, lse
 
 
-def block_h_for(h_q: int) -> int:
-    """Heads per program: the next power of two of ``h_q`` in [16, 64]."""
-    return min(64, max(16, triton.next_power_of_2(h_q)))
+def block_h_for(h_q: int, arch: int | None = 90) -> int:
+    """Heads per program on ``sm_<arch>``: the next power of two of ``h_q`` in [16, 64], at most 32 on the
+    99 KiB parts (:func:`nsa_backend.configs.sparse_mla.heads_per_program`)."""
+    return heads_per_program(h_q, arch)
 
 
 def flash_mla_sparse_fwd_triton(
@@ -340,7 +341,7 @@ def flash_mla_sparse_fwd_triton(
     out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
         return out, max_logits, lse
-    block_h = block_h_for(h_q)
+    block_h = block_h_for(h_q, arch)
     cfg = config or prefill_config(block_h, arch)
     kv2 = kv.view(s_kv, d_qk)
     idx = indices.view(s_q, topk)

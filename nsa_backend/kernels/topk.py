@@ -82,6 +82,7 @@ import triton.language as tl
 
 from nsa_backend.configs import topk as cfgs
 from nsa_backend.kernels._arch import device_sms
+from nsa_backend.kernels._launch import CachedLauncher
 
 __all__ = ["logical_to_global_indices_triton", "topk_indices_triton"]
 
@@ -976,7 +977,7 @@ def _topk_rows(logits, topk, starts, ends, out, cfg):
     cap = cfgs.row_capacity(topk, cfg)
     # slab: a long row's candidates
     programs, scratch = _persistent_grid(logits, out, cfg.programs_per_sm, cap, N > cap)
-    _topk_row_kernel[(programs,)](
+    _launch_topk_row[(programs,)](
         logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
         BLOCK=cfg.block, CAP=cap, SAMPLE=cfgs.row_sample(cap), SIGMAS=cfgs.ROW_SIGMAS, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
@@ -990,19 +991,19 @@ def _topk_sieve(logits, topk, starts, ends, out, cfg):
         # rows split over parts: lists and per-row state (length, maximum key >> 1, bound)
         scratch = torch.empty(R, 2, cap, dtype=torch.int32, device=logits.device)
         state = torch.zeros(R, 4, dtype=torch.int32, device=logits.device)
-        _topk_sieve_part_kernel[(R, cfg.split)](
+        _launch_topk_sieve_part[(R, cfg.split)](
             logits, scratch, state, starts, ends, N, topk, logits.stride(0),
             BLOCK=cfg.block, CAP=cap, SAMPLE=sample, DIRECT=direct, SIGMAS=cfgs.ROW_SIGMAS,
             num_warps=cfg.num_warps,
         )
-        _topk_sieve_merge_kernel[(R,)](
+        _launch_topk_sieve_merge[(R,)](
             logits, out, scratch, state, starts, ends, N, topk, logits.stride(0),
             BLOCK=cfg.merge_block, CAP=cap, num_warps=cfg.merge_warps,
         )
         return
     # slab: a row's candidate list
     programs, scratch = _persistent_grid(logits, out, cfg.programs_per_sm, cap, True)
-    _topk_sieve_kernel[(programs,)](
+    _launch_topk_sieve[(programs,)](
         logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
         BLOCK=cfg.block, LIST_BLOCK=cfg.list_block or cfg.block, CAP=cap, SAMPLE=sample, DIRECT=direct,
         SIGMAS=cfgs.ROW_SIGMAS, num_warps=cfg.num_warps, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
@@ -1014,7 +1015,7 @@ def _topk_resident(logits, topk, starts, ends, out, cfg):
     cap, fin = cfgs.resident_sizes(N, topk, cfg)
     # slab: a long row's chunk winners
     programs, scratch = _persistent_grid(logits, out, cfg.programs_per_sm, fin, N > cap)
-    _topk_resident_kernel[(programs,)](
+    _launch_topk_resident[(programs,)](
         logits, out, scratch, starts, ends, R, N, topk, logits.stride(0),
         CAP=cap, FIN=fin, EMIT_BLOCK=cfg.emit_block, num_warps=cfg.num_warps,
     )
@@ -1030,11 +1031,11 @@ def _topk_split(logits, topk, starts, ends, out, cfg):
     cand = torch.empty(R, cap, dtype=torch.int32, device=logits.device)
     stride = logits.stride(0)
     for level in (0, 1):
-        _topk_histogram_kernel[(R, split)](logits, hist, starts, ends, N, topk, stride, split,
+        _launch_topk_histogram[(R, split)](logits, hist, starts, ends, N, topk, stride, split,
                                            BLOCK=cfg.block, LEVEL=level, num_warps=cfg.num_warps)
-    _topk_filter_kernel[(R, split)](logits, hist, counters, cand, out, starts, ends, N, topk, stride, split,
+    _launch_topk_filter[(R, split)](logits, hist, counters, cand, out, starts, ends, N, topk, stride, split,
                                     cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
-    _topk_finish_kernel[(R,)](logits, hist, cand, out, starts, ends, N, topk, stride, cap,
+    _launch_topk_finish[(R,)](logits, hist, cand, out, starts, ends, N, topk, stride, cap,
                               BLOCK=cfgs.FINISH_BLOCK, num_warps=cfgs.FINISH_NUM_WARPS)
 
 
@@ -1069,8 +1070,20 @@ def logical_to_global_indices_triton(
         return out
     B, M = block_table.shape
     grid = (R, triton.cdiv(K, cfgs.L2G_BLOCK))
-    _topk_logical_to_global_kernel[grid](
+    _launch_topk_logical_to_global[grid](
         indices, block_table, req_ids, out, K, B, M, block_table.stride(0), page_size,
         BLOCK=cfgs.L2G_BLOCK, num_warps=cfgs.L2G_NUM_WARPS,
     )
     return out
+
+
+# Launchers that reuse the compiled kernel per call signature (host time of eager calls).
+_launch_topk_row = CachedLauncher(_topk_row_kernel)
+_launch_topk_sieve_part = CachedLauncher(_topk_sieve_part_kernel)
+_launch_topk_sieve_merge = CachedLauncher(_topk_sieve_merge_kernel)
+_launch_topk_sieve = CachedLauncher(_topk_sieve_kernel)
+_launch_topk_resident = CachedLauncher(_topk_resident_kernel)
+_launch_topk_histogram = CachedLauncher(_topk_histogram_kernel)
+_launch_topk_filter = CachedLauncher(_topk_filter_kernel)
+_launch_topk_finish = CachedLauncher(_topk_finish_kernel)
+_launch_topk_logical_to_global = CachedLauncher(_topk_logical_to_global_kernel)

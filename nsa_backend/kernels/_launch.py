@@ -1,0 +1,128 @@
+"""Repeat launches of a Triton kernel without Triton's per-call binding.
+
+``kernel[grid](*args, **kwargs)`` binds every argument, specialises it, builds a cache key and looks
+the compiled kernel up on every call: tens of microseconds of host time, paid per layer by every
+eager decode step. :class:`CachedLauncher` keeps, per call signature, the compiled kernel and the
+values of the parameters that follow the positional arguments (constexprs, defaults, heuristics), and
+launches that compiled kernel directly on a later call with the same signature.
+
+The signature holds everything Triton specialises on, or more: per tensor its dtype and whether its
+address is 16-byte aligned; per int whether it is 1, divisible by 16 and which integer type holds it;
+floats by type; ``None`` and bools by value; the keyword arguments (constexprs and launch options) by
+value; the heuristics' values; the current device. A call Triton would compile differently therefore
+never reuses a kernel. The first call of a signature, calls with arguments of other types, the CPU
+interpreter and Triton's launch hooks (profilers) take Triton's own path.
+``NSA_BACKEND_FAST_LAUNCH=0`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime.autotuner import Heuristics
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+FAST_LAUNCH_ENV = "NSA_BACKEND_FAST_LAUNCH"
+# Signatures kept per kernel; beyond this the cache starts over (shapes of a served model are few).
+MAX_SIGNATURES = 512
+_UNCACHEABLE = object()
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _arg_key(arg: Any) -> Any:
+    """What Triton's specialisation can see of one positional argument (a superset of it)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if arg is None or isinstance(arg, bool):
+        return arg
+    if isinstance(arg, int):
+        return (arg == 1, arg % 16 == 0, _INT32_MIN <= arg <= _INT32_MAX, arg >= 2**63)
+    if isinstance(arg, float):
+        return float
+    return _UNCACHEABLE
+
+
+def _enabled() -> bool:
+    return (os.environ.get(FAST_LAUNCH_ENV, "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") in ("0", "")
+            and knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None)
+
+
+class CachedLauncher:
+    """``launcher[grid](*args, **kwargs)``: the kernel's own launch, with the compiled kernel reused per
+    call signature.
+
+    Parameters
+    ----------
+    kernel : triton.runtime.JITFunction or triton.runtime.autotuner.Heuristics
+        A ``@triton.jit`` kernel, possibly under ``@triton.heuristics`` (not ``@triton.autotune``, whose
+        choice depends on more than the signature).
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._heuristics: dict[str, Callable[[dict[str, Any]], Any]] = {}
+        fn = kernel
+        while isinstance(fn, Heuristics):
+            self._heuristics.update(fn.values)
+            fn = fn.fn
+        # Under TRITON_INTERPRET=1 kernels are interpreted functions: always Triton's own path then.
+        self._jit = isinstance(fn, JITFunction)
+        params = fn.params if self._jit else []
+        self._params = [(p.name, p.default) for p in params]
+        # constexprs passed positionally are keyed by value, like the keyword ones
+        self._constexpr = tuple(p.is_constexpr for p in params)
+        self._arg_names = [name for name, _ in self._params]
+        self._plans: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+
+    def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Launch on ``grid`` with ``args`` (positional, the kernel's first parameters) and ``kwargs``."""
+        key = self._key(args, kwargs) if self._jit and _enabled() else None
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if key is not None and compiled is not None:
+                if len(self._plans) >= MAX_SIGNATURES:
+                    self._plans.clear()
+                self._plans[key] = (compiled, self._tail(args, kwargs))
+            return
+        compiled, tail = plan
+        device = torch.cuda.current_device()
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *tail)
+
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:
+        arg_keys = tuple(arg if const else _arg_key(arg) for arg, const in zip(args, self._constexpr))
+        if any(k is _UNCACHEABLE for k in arg_keys):
+            return None
+        for value in kwargs.values():
+            if not (value is None or isinstance(value, (bool, int, float, str))):
+                return None
+        heuristics = ()
+        if self._heuristics:
+            named = {**dict(zip(self._arg_names, args)), **kwargs}
+            heuristics = tuple(heur(named) for heur in self._heuristics.values())
+        return (torch.cuda.current_device(), arg_keys, tuple(sorted(kwargs.items())), heuristics)
+
+    def _tail(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """Values of the parameters after the positional ones, as Triton binds them for this signature."""
+        named = {**dict(zip(self._arg_names, args)), **kwargs}
+        extra = {name: heur(named) for name, heur in self._heuristics.items()}
+        tail = []
+        for name, default in self._params[len(args):]:
+            if name in kwargs:
+                tail.append(kwargs[name])
+            elif name in extra:
+                tail.append(extra[name])
+            else:
+                tail.append(default)
+        return tuple(tail)
