@@ -304,7 +304,8 @@ def sparse_mla_v4_jobs(arch: int) -> list[AotJob]:
               HAS_EXTRA_LEN=True)
     aligned = tuple(n for n in sig if n.endswith("_ptr"))
     return [AotJob("sparse_mla_v4", "decode", f"BLOCK_H={mod.BLOCK_H} BLOCK_K={mod.BLOCK_K} extra", arch,
-                   mod._sparse_mla_v4_decode_kernel, _constexpr(sig, cx), cx, mod.NUM_WARPS, 3, aligned)]
+                   mod._sparse_mla_v4_decode_kernel, _constexpr(sig, cx), cx, mod.NUM_WARPS, mod.NUM_STAGES,
+                   aligned)]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,13 +27,10 @@ ARCHS: tuple[int, ...] = (120, 121, 86)
 _SPARSE_MLA = ("some shipped tiles (BLOCK_H 32-64, fp8 dequantisation in the loop) exceed 255 registers per thread; "
                "ptxas spills tens to hundreds of bytes")
 _MHC = "the 128-wide bf16x2 / bf16x3 GEMM tiles at 4 warps spill a few bytes"
-_V4 = ("the [16 x 512] fp32 accumulator plus the [16 x 512] bf16 query of one 4-warp program exceed the register "
-       "file: ptxas spills kilobytes on every arch")
 KNOWN_SPILLS: dict[tuple[str, str, int], str] = {
     **{("sparse_mla", "prefill", a): _SPARSE_MLA for a in (120, 121)},
     **{("sparse_mla", "decode", a): _SPARSE_MLA for a in (120, 121, 86)},
     **{("mhc", "gemm", a): _MHC for a in (120, 121, 86)},
-    **{("sparse_mla_v4", "decode", a): _V4 for a in (120, 121, 86)},
 }
 
 
