@@ -17,8 +17,12 @@ What :func:`register` installs:
 - an extra check after SGLang's own ``ServerArgs.check_server_args`` that validates the prefill /
   decode implementation choice with :func:`nsa_backend.routing.validate_impl_choice`;
 - with ``takeover`` (``[sglang]`` config table or ``NSA_BACKEND_SGLANG_TAKEOVER=1``): the same
-  backend under SGLang's ``dsa`` and ``nsa`` names, and DeepGEMM's indexer / mHC functions routed
-  to nsa-backend for the DeepSeek-V4 ``dsv4`` backend.
+  backend under SGLang's ``dsa`` and ``nsa`` names, and the DeepSeek-V4 ``dsv4`` backend's kernels
+  routed per call (:func:`_activate_dsv4`): DeepGEMM's indexer / mHC functions, and its sparse
+  decode / prefill / KV-cache write where no native kernel serves the GPU and shape
+  (:mod:`nsa_backend_integrations.sglang.dsv4`). ``--attention-backend nsa_backend`` with a DeepSeek-V4
+  model (SGLang replaces the name by ``dsv4`` for that model) turns the same routing on
+  (:func:`route_dsv4_when_named`).
 """
 
 from __future__ import annotations
@@ -88,15 +92,40 @@ def register() -> None:
             _register_resolution_hook()
             _patch_check_server_args()
             if settings.takeover:
-                from nsa_backend_integrations.sglang import kernels
-
-                kernels.activate_deep_gemm()
+                _activate_dsv4()
         except Exception:
             # SGLang's loader only logs a failing plugin; say it in our logger too.
             logger.exception("nsa-backend: registering the SGLang plugin failed")
             raise
         _settings, _served, _registered = settings, names, True
     logger.info("nsa-backend: SGLang attention backend registered as %s", ", ".join(names))
+
+
+def _activate_dsv4() -> list[str]:
+    """Route the DeepSeek-V4 ``dsv4`` backend's kernels through nsa-backend in this process (idempotent)."""
+    from nsa_backend_integrations.sglang import dsv4, kernels
+
+    return list(kernels.activate_deep_gemm() or []) + dsv4.activate()
+
+
+def route_dsv4_when_named(server_args: Any, hf: dict) -> bool:
+    """Turn on the DeepSeek-V4 routing when the user named nsa-backend's backend for a DeepSeek-V4 model.
+
+    SGLang serves DeepSeek-V4 with its ``dsv4`` backend whatever ``--attention-backend`` says, so the
+    raw flag is the user's choice. The routing is installed in this process and, through
+    ``NSA_BACKEND_SGLANG_TAKEOVER=1`` in the environment the scheduler / TP workers inherit, in theirs
+    (their plugin registration reads it). Returns whether it was turned on.
+    """
+    from nsa_backend.routing.device import DEEPSEEK_V4, model_family
+
+    named = getattr(server_args, "attention_backend", None) == BACKEND_NAME
+    if not named or model_family(hf) != DEEPSEEK_V4:
+        return False
+    replaced = _activate_dsv4()
+    os.environ[TAKEOVER_ENV] = "1"
+    logger.info("nsa-backend: --attention-backend %s with a DeepSeek-V4 model: SGLang's dsv4 backend kernels "
+                "routed per call (%s)", BACKEND_NAME, ", ".join(replaced) or "already")
+    return True
 
 
 # -- backend factories (SGLang calls them with the model runner) ------------------------------
@@ -373,6 +402,8 @@ def validate_server_args(server_args: Any) -> tuple[str, str] | None:
     """
     from sglang.srt.arg_groups.model_override_base import attention_backends_of, resolved_view
 
+    if getattr(server_args, "attention_backend", None) == BACKEND_NAME:
+        route_dsv4_when_named(server_args, _hf_config(server_args))
     view = resolved_view(server_args)
     served = served_names() or (BACKEND_NAME,)
     prefill_backend, decode_backend = attention_backends_of(view)

@@ -8,7 +8,9 @@
 
 ``takeover`` (``true`` / ``false``, default ``false``): also register nsa-backend's backend under
 SGLang's ``dsa`` and ``nsa`` names, so existing launch commands pick nsa-backend's kernels, and
-route the DeepGEMM indexer / mHC calls of the DeepSeek-V4 ``dsv4`` backend through nsa-backend.
+route the DeepSeek-V4 ``dsv4`` backend's kernels per call (its DeepGEMM indexer / mHC calls, and its
+sparse decode / prefill / KV-cache write where no native kernel serves the GPU and shape; see
+:mod:`nsa_backend_integrations.sglang.dsv4`).
 
 The environment variable ``NSA_BACKEND_SGLANG_TAKEOVER`` (``1``/``0``, ``on``/``off``) overrides the file.
 

@@ -9,13 +9,11 @@ raising would stop the server even for an optional step).
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from typing import Any
 
 from nsa_backend_integrations.vllm.config import (
-    TAKEOVER_ENV,
     TAKEOVER_NAMES,
     VllmSettings,
     auto_takeover_names,
@@ -39,9 +37,8 @@ _state: dict[str, Any] = {"registered": False, "calls": 0, "errors": {}}
 def registration_state() -> dict[str, Any]:
     """What :func:`register` did in this process: ``registered``, ``calls``, ``settings``, ``arch``,
     ``custom_backend``, ``takeover`` (names served), ``indexer`` (the OOT class name or None),
-    ``hc_prenorm`` (whether the DeepGEMM function is routed), ``deepseek_v4_refusal`` (the model
-    architectures whose start-up refuses a request for nsa-backend, see
-    :func:`refuse_deepseek_v4_request`) and ``errors`` (step -> message)."""
+    ``hc_prenorm`` (whether the DeepGEMM function is routed), ``deepseek_v4`` (the wrapped DeepSeek-V4
+    attention selector, ``None`` where vLLM has none) and ``errors`` (step -> message)."""
     return {**_state, "errors": dict(_state["errors"])}
 
 
@@ -133,7 +130,7 @@ def register() -> None:
         if route_hc_prenorm:
             routed = _run_step("hc_prenorm", _install_hc_prenorm, settings.hc_prenorm)
             _state["hc_prenorm"] = routed is not None
-        _state["deepseek_v4_refusal"] = _run_step("deepseek-v4 refusal", install_deepseek_v4_refusal) or ()
+        _state["deepseek_v4"] = _run_step("deepseek-v4 attention", install_deepseek_v4, settings)
         logger.debug("nsa-backend: vLLM plugin registered: %s", registration_state())
 
 
@@ -151,107 +148,29 @@ def _install_hc_prenorm(mode: str) -> Any:
 
 
 # --- DeepSeek-V4 --------------------------------------------------------------------------------
-# vLLM's DeepSeek-V4 models (DeepseekV4ForCausalLM, its vision variant, DeepseekV41ForCausalLM) build
-# their attention from their own classes, chosen by GPU arch or by a *_DSV4 backend name
-# (``vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls``); CUSTOM and the takeover names
-# never reach them. nsa-backend has no DeepSeek-V4 sparse-MLA op (its ops serve the 656-byte
-# fp8_ds_mla and bf16 caches of DeepSeek-V3.2 / GLM-5), so a request for it with such a model is
-# refused where vLLM resolves the model's config: the model's ``verify_and_update_config`` hook,
-# which ``VllmConfig.__post_init__`` runs through ``MODELS_CONFIG_MAP`` before any worker starts.
+# vLLM's DeepSeek-V4 models build their attention from their own classes, chosen per layer by
+# ``vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls``; CUSTOM and the takeover names never
+# reach them. ``dsv4.install`` wraps that selector so that nsa-backend's DeepSeek-V4 attention is
+# chosen when nsa-backend is named, or under takeover where vLLM's class has no kernel.
 
-_DSV4_CONFIG_CLASS = "DeepseekV4ForCausalLMConfig"
+DSV4_MODEL_MODULE = "vllm.models.deepseek_v4.nvidia.model"
 
 
-def _registered_as(name: str, class_path: str) -> bool:
-    """Whether vLLM's attention backend ``name`` resolves to ``class_path`` in this process."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+def install_deepseek_v4(settings: VllmSettings) -> str | None:
+    """Wrap vLLM's DeepSeek-V4 attention selector (see ``dsv4``); returns its path, ``None`` where
+    this vLLM has no DeepSeek-V4 NVIDIA model."""
+    import importlib.util
 
-    member = AttentionBackendEnum.__members__.get(name)
-    return member is not None and member.is_overridden() and member.get_path() == class_path
-
-
-def nsa_backend_request(vllm_config: Any) -> tuple[str, str] | None:
-    """How ``vllm_config`` asks for nsa-backend's attention, and how to stop asking, in the user's
-    words (``(request, remedy)``), or ``None`` when it does not.
-
-    Asked for: ``--attention-backend CUSTOM`` while CUSTOM is nsa-backend's, or ``--attention-backend
-    NAME`` for a takeover name served by nsa-backend (the ``[vllm] takeover`` setting). Takeover with
-    no backend named is not a request for this launch: it is a standing setting (the Docker image's
-    ``auto``) that replaces vLLM's DeepSeek-V3.2 backends by name, and a DeepSeek-V4 model never
-    looks those names up. A backend named that nsa-backend does not serve (e.g.
-    ``FLASHMLA_SPARSE_DSV4``) is not a request for it either.
-    """
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    name = backend if isinstance(backend, str) or backend is None else backend.name
-    if name == "CUSTOM":
-        if not _registered_as("CUSTOM", CUSTOM_BACKEND_PATH):
-            return None
-        return "--attention-backend CUSTOM", "drop --attention-backend CUSTOM"
-    served = [n for n, path in TAKEOVER_BACKEND_PATHS.items() if _registered_as(n, path)]
-    if name is None or name not in served:
+    if importlib.util.find_spec(DSV4_MODEL_MODULE.rsplit(".", 1)[0]) is None:
         return None
-    return (
-        f"--attention-backend {name} with the nsa-backend [vllm] takeover setting (config file or "
-        f"{TAKEOVER_ENV}), which serves {', '.join(served)} with nsa-backend",
-        f'set takeover = "off" in the [vllm] table of the nsa-backend config file (or {TAKEOVER_ENV}=off)',
-    )
+    from nsa_backend_integrations.vllm import dsv4
+
+    return dsv4.install(settings, _arch_or_none)
 
 
-def refuse_deepseek_v4_request(vllm_config: Any) -> None:
-    """Raise when ``vllm_config`` asks for nsa-backend with a DeepSeek-V4 model (see
-    :func:`nsa_backend_request`); do nothing when it does not.
-
-    Raises
-    ------
-    ValueError
-        Naming the model, how nsa-backend was asked for and how to run the model on vLLM's own
-        DeepSeek-V4 attention instead.
-    """
-    request = nsa_backend_request(vllm_config)
-    if request is None:
-        return
-    asked, remedy = request
-    architecture = getattr(getattr(vllm_config, "model_config", None), "architecture", None) or "DeepSeek-V4"
-    raise ValueError(
-        f"nsa-backend cannot serve {architecture} (DeepSeek-V4), which was asked for by {asked}: "
-        "nsa-backend's sparse-MLA ops serve the DeepSeek-V3.2 / GLM-5 KV caches (bfloat16 and the "
-        "656-byte fp8_ds_mla rows), not DeepSeek-V4's, and vLLM builds DeepSeek-V4 attention from its own "
-        "classes, which never reach nsa-backend. To run the model on vLLM's own DeepSeek-V4 attention, "
-        f"{remedy} (vLLM has no DeepSeek-V4 attention kernel for SM8x GPUs)."
-    )
-
-
-@functools.cache
-def _refusing_config_class(original: type) -> type:
-    """``original`` (vLLM's DeepSeek-V4 config hook class) whose ``verify_and_update_config``
-    first refuses a request for nsa-backend, then runs vLLM's."""
-
-    def verify_and_update_config(vllm_config: Any) -> None:
-        refuse_deepseek_v4_request(vllm_config)
-        original.verify_and_update_config(vllm_config)
-
-    return type(original.__name__, (original,), {
-        "__module__": __name__,
-        "__doc__": f"vLLM's {original.__name__}, refusing a request for nsa-backend first.",
-        "verify_and_update_config": staticmethod(verify_and_update_config),
-        "nsa_backend_original": original,
-    })
-
-
-def install_deepseek_v4_refusal() -> tuple[str, ...]:
-    """Put the refusing hook into vLLM's ``MODELS_CONFIG_MAP`` for every architecture mapped to
-    vLLM's DeepSeek-V4 config class; returns those architectures (empty where vLLM has no
-    DeepSeek-V4). Idempotent."""
-    from vllm.model_executor.models import config as model_configs
-
-    original = getattr(model_configs, _DSV4_CONFIG_CLASS, None)
-    if original is None:
-        return ()
-    refusing = _refusing_config_class(original)
-    config_map = model_configs.MODELS_CONFIG_MAP
-    installed = []
-    for architecture, cls in list(config_map.items()):
-        if cls is original or cls is refusing:
-            config_map[architecture] = refusing
-            installed.append(architecture)
-    return tuple(installed)
+def _arch_or_none() -> str | None:
+    """This process's GPU arch family when a DeepSeek-V4 layer is built (``None`` without one)."""
+    try:
+        return _platform_arch()
+    except Exception:   # a platform without a usable device query
+        return None

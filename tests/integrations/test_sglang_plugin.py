@@ -155,19 +155,21 @@ def registered():
 def test_takeover_serves_builtin_names(registered, monkeypatch):
     from sglang.srt.layers.attention import attention_registry
 
-    from nsa_backend_integrations.sglang import kernels
+    from nsa_backend_integrations.sglang import dsv4, kernels
 
     monkeypatch.setattr(attention_registry, "ATTENTION_BACKENDS", dict(attention_registry.ATTENTION_BACKENDS))
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(plugin, "_served", ())
     routed = []
-    monkeypatch.setattr(kernels, "activate_deep_gemm", lambda: routed.append("deep_gemm"))
+    monkeypatch.setattr(kernels, "activate_deep_gemm", lambda: routed.append("deep_gemm") or [])
+    monkeypatch.setattr(dsv4, "activate", lambda: routed.append("dsv4") or [])
     monkeypatch.setenv("NSA_BACKEND_SGLANG_TAKEOVER", "1")
     plugin.register()
     backends = attention_registry.ATTENTION_BACKENDS
     assert backends["dsa"] is backends["nsa"] is backends["nsa_backend"] is plugin.create_backend
     assert plugin.served_names() == ("nsa_backend", "dsa", "nsa")
-    assert routed == ["deep_gemm"]  # DeepSeek-V4's dsv4 backend calls DeepGEMM directly
+    # DeepSeek-V4's dsv4 backend calls DeepGEMM and FlashMLA's module functions directly: both routed
+    assert routed == ["deep_gemm", "dsv4"]
 
 
 def test_name_unknown_without_plugin(registered, glm5_dir):
