@@ -3,6 +3,8 @@
 ``nsa_backend._dispatch`` imports a path on the first call that needs it; routing reads the table to know
 which implementations an op has (and whether the Triton modules are installed) without importing any.
 Every implementation function takes the public op's parameters (without ``impl``), already validated.
+Triton paths name a kernel family package (``nsa_backend.kernels.<family>``), whose ``__init__`` holds the
+entry points: checking that a path is installed then imports no kernel module.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ _TOPK = "nsa_backend.kernels.topk"
 _PREFILL = "nsa_backend.kernels.sparse_mla_prefill"
 _DECODE = "nsa_backend.kernels.sparse_mla_decode"
 _DSMLA = "nsa_backend.kernels.fp8_ds_mla"
-_DSMLA_V4 = "nsa_backend.kernels.fp8_ds_mla_v4"
-_DECODE_V4 = "nsa_backend.kernels.sparse_mla_v4_decode"
 _MHC = "nsa_backend.kernels.mhc"
 _DG = "nsa_backend.native.deep_gemm"
 _FMLA = "nsa_backend.native.flash_mla"
@@ -48,12 +48,12 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     # Lightning indexer over an MXFP4 key cache (DeepSeek-V4)
     "fp8_fp4_mqa_logits": {
         "reference": f"{_REF}:fp8_fp4_mqa_logits",
-        "triton": "nsa_backend.kernels.indexer_fp4:fp8_fp4_mqa_logits_triton",
+        "triton": f"{_IDX}:fp8_fp4_mqa_logits_triton",
         "deep_gemm": f"{_DG}:fp8_fp4_mqa_logits",
     },
     "fp8_fp4_paged_mqa_logits": {
         "reference": f"{_REF}:fp8_fp4_paged_mqa_logits",
-        "triton": "nsa_backend.kernels.indexer_fp4:fp8_fp4_paged_mqa_logits_triton",
+        "triton": f"{_IDX}:fp8_fp4_paged_mqa_logits_triton",
         "deep_gemm": f"{_DG}:fp8_fp4_paged_mqa_logits",
     },
     "pack_indexer_k_cache_fp4": {
@@ -94,15 +94,15 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     # DeepSeek-V4 KV cache (584-byte tokens)
     "pack_fp8_ds_mla_v4": {
         "reference": f"{_REF}:pack_fp8_ds_mla_v4",
-        "triton": f"{_DSMLA_V4}:pack_fp8_ds_mla_v4_triton",
+        "triton": f"{_DSMLA}:pack_fp8_ds_mla_v4_triton",
     },
     "unpack_fp8_ds_mla_v4": {
         "reference": f"{_REF}:unpack_fp8_ds_mla_v4",
-        "triton": f"{_DSMLA_V4}:unpack_fp8_ds_mla_v4_triton",
+        "triton": f"{_DSMLA}:unpack_fp8_ds_mla_v4_triton",
     },
     "write_fp8_ds_mla_v4_cache": {
         "reference": f"{_REF}:write_fp8_ds_mla_v4_cache",
-        "triton": f"{_DSMLA_V4}:write_fp8_ds_mla_v4_cache_triton",
+        "triton": f"{_DSMLA}:write_fp8_ds_mla_v4_cache_triton",
     },
     # mHC
     "tf32_hc_prenorm_gemm": {
@@ -119,6 +119,10 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
 FORMAT_IMPLEMENTATIONS: dict[tuple[str, str], dict[str, str]] = {
     ("sparse_mla_decode", "fp8_ds_mla_v4"): {
         "reference": f"{_REF}:sparse_mla_decode",
+        "triton": f"{_DECODE}:sparse_mla_v4_decode_triton",
+        "flash_mla": f"{_FMLA}:sparse_mla_decode",
+    },
+}
 
 
 def available_impls(op: str) -> list[str]:
