@@ -1,7 +1,8 @@
 """Which implementations exist for each public op, and how a call picks one.
 
-The table is data: ``IMPLEMENTATIONS[op][impl]`` is a ``"module:function"`` path imported on
-first use, so native packages and Triton are only imported when a call needs them. Every
+The table is data (:mod:`nsa_backend.routing.implementations`, which routing reads too):
+``IMPLEMENTATIONS[op][impl]`` is a ``"module:function"`` path imported here on first use, so native
+packages and Triton are only imported when a call needs them. Every
 implementation function takes the public op's parameters (without ``impl``), already validated.
 
 ``impl="auto"`` is resolved by :func:`nsa_backend.routing.select_impl` from the device, the shape
@@ -17,122 +18,23 @@ from typing import Any
 
 import torch
 
+from nsa_backend.routing.implementations import (
+    FORMAT_IMPLEMENTATIONS,
+    IMPL_NAMES,
+    IMPLEMENTATIONS,
+    available_impls,
+)
 from nsa_backend.routing.router import select_impl
 
-IMPL_NAMES: tuple[str, ...] = ("auto", "reference", "triton", "deep_gemm", "flash_mla", "flashinfer")
-
-_REF = "nsa_backend.reference"
-_IDX = "nsa_backend.kernels.indexer"
-_TOPK = "nsa_backend.kernels.topk"
-_PREFILL = "nsa_backend.kernels.sparse_mla_prefill"
-_DECODE = "nsa_backend.kernels.sparse_mla_decode"
-_DSMLA = "nsa_backend.kernels.fp8_ds_mla"
-_DSMLA_V4 = "nsa_backend.kernels.fp8_ds_mla_v4"
-_DECODE_V4 = "nsa_backend.kernels.sparse_mla_v4_decode"
-_MHC = "nsa_backend.kernels.mhc"
-_DG = "nsa_backend.native.deep_gemm"
-_FMLA = "nsa_backend.native.flash_mla"
-_FI = "nsa_backend.native.flashinfer"
-
-IMPLEMENTATIONS: dict[str, dict[str, str]] = {
-    # Lightning indexer
-    "fp8_mqa_logits": {
-        "reference": f"{_REF}:fp8_mqa_logits",
-        "triton": f"{_IDX}:fp8_mqa_logits_triton",
-        "deep_gemm": f"{_DG}:fp8_mqa_logits",
-    },
-    "get_paged_mqa_logits_metadata": {
-        "reference": f"{_REF}:get_paged_mqa_logits_metadata",
-        "triton": f"{_IDX}:get_paged_mqa_logits_metadata_triton",
-        "deep_gemm": f"{_DG}:get_paged_mqa_logits_metadata",
-    },
-    "fp8_paged_mqa_logits": {
-        "reference": f"{_REF}:fp8_paged_mqa_logits",
-        "triton": f"{_IDX}:fp8_paged_mqa_logits_triton",
-        "deep_gemm": f"{_DG}:fp8_paged_mqa_logits",
-    },
-    "pack_indexer_k_cache": {
-        "reference": f"{_REF}:pack_indexer_k_cache",
-    },
-    # Lightning indexer over an MXFP4 key cache (DeepSeek-V4)
-    "fp8_fp4_mqa_logits": {
-        "reference": f"{_REF}:fp8_fp4_mqa_logits",
-        "triton": "nsa_backend.kernels.indexer_fp4:fp8_fp4_mqa_logits_triton",
-        "deep_gemm": f"{_DG}:fp8_fp4_mqa_logits",
-    },
-    "fp8_fp4_paged_mqa_logits": {
-        "reference": f"{_REF}:fp8_fp4_paged_mqa_logits",
-        "triton": "nsa_backend.kernels.indexer_fp4:fp8_fp4_paged_mqa_logits_triton",
-        "deep_gemm": f"{_DG}:fp8_fp4_paged_mqa_logits",
-    },
-    "pack_indexer_k_cache_fp4": {
-        "reference": f"{_REF}:pack_indexer_k_cache_fp4",
-    },
-    # Top-k selection
-    "topk_indices": {
-        "reference": f"{_REF}:topk_indices",
-        "triton": f"{_TOPK}:topk_indices_triton",
-    },
-    "logical_to_global_indices": {
-        "reference": f"{_REF}:logical_to_global_indices",
-        "triton": f"{_TOPK}:logical_to_global_indices_triton",
-    },
-    # Sparse MLA
-    "flash_mla_sparse_fwd": {
-        "reference": f"{_REF}:flash_mla_sparse_fwd",
-        "triton": f"{_PREFILL}:flash_mla_sparse_fwd_triton",
-        "flash_mla": f"{_FMLA}:flash_mla_sparse_fwd",
-    },
-    "sparse_mla_decode": {
-        "reference": f"{_REF}:sparse_mla_decode",
-        "triton": f"{_DECODE}:sparse_mla_decode_triton",
-        "flash_mla": f"{_FMLA}:sparse_mla_decode",
-        "flashinfer": f"{_FI}:sparse_mla_decode",
-    },
-    "pack_fp8_ds_mla": {
-        "reference": f"{_REF}:pack_fp8_ds_mla",
-        "triton": f"{_DSMLA}:pack_fp8_ds_mla_triton",
-    },
-    "unpack_fp8_ds_mla": {
-        "reference": f"{_REF}:unpack_fp8_ds_mla",
-    },
-    "write_fp8_ds_mla_cache": {
-        "reference": f"{_REF}:write_fp8_ds_mla_cache",
-        "triton": f"{_DSMLA}:write_fp8_ds_mla_cache_triton",
-    },
-    # DeepSeek-V4 KV cache (584-byte tokens)
-    "pack_fp8_ds_mla_v4": {
-        "reference": f"{_REF}:pack_fp8_ds_mla_v4",
-        "triton": f"{_DSMLA_V4}:pack_fp8_ds_mla_v4_triton",
-    },
-    "unpack_fp8_ds_mla_v4": {
-        "reference": f"{_REF}:unpack_fp8_ds_mla_v4",
-        "triton": f"{_DSMLA_V4}:unpack_fp8_ds_mla_v4_triton",
-    },
-    "write_fp8_ds_mla_v4_cache": {
-        "reference": f"{_REF}:write_fp8_ds_mla_v4_cache",
-        "triton": f"{_DSMLA_V4}:write_fp8_ds_mla_v4_cache_triton",
-    },
-    # mHC
-    "tf32_hc_prenorm_gemm": {
-        "reference": f"{_REF}:tf32_hc_prenorm_gemm",
-        "triton": f"{_MHC}:tf32_hc_prenorm_gemm_triton",
-        "deep_gemm": f"{_DG}:tf32_hc_prenorm_gemm",
-    },
-}
-
-
-# Implementations of one op for one input format whose function signature differs from the op's other
-# implementations (DeepSeek-V4 decode takes a second cache and index list): ``(op, kv_format) -> {impl: path}``.
-# Routing still decides per ``op`` (its ``kv_format`` feature keeps other implementations off these calls).
-FORMAT_IMPLEMENTATIONS: dict[tuple[str, str], dict[str, str]] = {
-    ("sparse_mla_decode", "fp8_ds_mla_v4"): {
-        "reference": f"{_REF}:sparse_mla_decode",
-        "triton": f"{_DECODE_V4}:sparse_mla_v4_decode_triton",
-        "flash_mla": f"{_FMLA}:sparse_mla_decode",
-    },
-}
-
+__all__ = [
+    "FORMAT_IMPLEMENTATIONS",
+    "IMPLEMENTATIONS",
+    "IMPL_NAMES",
+    "available_impls",
+    "custom_op",
+    "get_impl",
+    "resolve_impl",
+]
 
 def custom_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn`` as the torch custom op ``name`` and return a caller that uses the op only when
@@ -155,19 +57,6 @@ def custom_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callab
         return call
 
     return wrap
-
-
-def available_impls(op: str) -> list[str]:
-    """Implementation names whose module is present in this installation (not necessarily usable)."""
-    return [name for name, path in IMPLEMENTATIONS[op].items() if _module_present(path.split(":")[0])]
-
-
-@functools.cache
-def _module_present(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Launch configurations of the lightning-indexer kernels (``nsa_backend/kernels/indexer.py``).
+"""Launch configurations of the lightning-indexer kernels (``nsa_backend/kernels/indexer/``).
 
 Both logits kernels compute ``S^T = K @ Q^T`` tiles: ``block_n`` keys (the MMA M side) against
 ``cols`` query columns (the MMA N side). A column is one (query row, head) pair: heads are padded
@@ -117,7 +117,7 @@ PAGED_WGMMA_TUNED: dict[tuple[int, int], LogitsConfig] = {
 
 @dataclass(frozen=True)
 class PagedGluonConfig:
-    """Launch of the sm_90 Gluon paged kernel (``nsa_backend/kernels/indexer_paged_gluon.py``).
+    """Launch of the sm_90 Gluon paged kernel (``nsa_backend/kernels/indexer/sm90_gluon_paged.py``).
 
     ``num_stages``: key-tile buffers; ``resident``: programs an SM runs at once (for
     :func:`paged_chunk`); ``unroll``: key tiles per loop iteration (the last epilogue of an

@@ -1,4 +1,4 @@
-"""Launch configurations of the mHC pre-norm GEMM kernels (``nsa_backend/kernels/mhc.py``).
+"""Launch configurations of the mHC pre-norm GEMM kernels (``nsa_backend/kernels/mhc/``).
 
 The GEMM ``d = a @ b.T`` with ``N <= 128`` is bound by reading ``a`` (``M x K`` bf16) from memory,
 so the tables below aim at bytes in flight, not at tensor-core shapes. Two paths:

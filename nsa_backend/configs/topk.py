@@ -1,4 +1,4 @@
-"""Launch configurations of the top-k kernels (``nsa_backend/kernels/topk.py``).
+"""Launch configurations of the top-k kernels (``nsa_backend/kernels/topk/``).
 
 :func:`use_resident_path`, :func:`use_sieve_path` and :func:`use_row_path` choose among the four
 paths of the kernel module:

@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from nsa_backend._settings import forced_arch
+
 # Compute capability (major * 10 + minor) standing for each arch family.
 FAMILY_CAPABILITY: dict[str, int] = {
     "sm80": 80, "sm86": 86, "sm89": 89, "sm90": 90, "sm100": 100, "sm103": 103, "sm120": 120, "sm121": 121,
@@ -32,8 +34,6 @@ def device_arch(device: torch.device) -> int | None:
     """Capability the launch is tuned for (``None`` off CUDA, e.g. in the CPU interpreter)."""
     if device.type != "cuda":
         return None
-    from nsa_backend.routing.device import forced_arch
-
     forced = FAMILY_CAPABILITY.get(forced_arch() or "")
     return forced if forced is not None else device_capability(device)
 

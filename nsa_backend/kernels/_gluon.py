@@ -21,6 +21,7 @@ import functools
 import triton
 
 from nsa_backend import envs
+from nsa_backend._settings import ConfigError
 
 # Oldest Triton release whose Gluon API the kernels are written against.
 GLUON_MIN_TRITON: tuple[int, int] = (3, 6)
@@ -71,8 +72,6 @@ def _switch_on(value: str) -> bool:
         return True
     if text in ("0", "false", "off", "no"):
         return False
-    from nsa_backend.routing.config import ConfigError  # a ValueError, like every bad setting
-
     raise ConfigError(f"{envs.GLUON} must be one of 0/1/true/false/on/off/yes/no, got {value!r}")
 
 

@@ -20,18 +20,16 @@ from nsa_backend.configs import indexer as cfg_indexer
 from nsa_backend.configs import mhc as cfg_mhc
 from nsa_backend.configs import sparse_mla as cfg_sparse_mla
 from nsa_backend.configs import topk as cfg_topk
-from nsa_backend.kernels import (
-    fp8_ds_mla,
-    fp8_ds_mla_v4,
-    indexer,
-    mhc,
-    slots,
-    sparse_mla_decode,
-    sparse_mla_prefill,
-    sparse_mla_v4_decode,
-    topk,
-)
+from nsa_backend.kernels import mhc, slots
 from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH, CompiledKernel, compile_for_arch
+from nsa_backend.kernels.fp8_ds_mla import v4 as fp8_ds_mla_v4
+from nsa_backend.kernels.fp8_ds_mla import v32 as fp8_ds_mla
+from nsa_backend.kernels.indexer import portable as indexer
+from nsa_backend.kernels.mhc import portable as mhc_kernels
+from nsa_backend.kernels.sparse_mla_decode import merge as decode_merge
+from nsa_backend.kernels.sparse_mla_decode import v4 as sparse_mla_v4_decode
+from nsa_backend.kernels.sparse_mla_prefill import portable as sparse_mla_prefill
+from nsa_backend.kernels.topk import portable as topk
 
 
 @dataclass(frozen=True)
@@ -283,10 +281,10 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
     for block_d in cfg_sparse_mla.MERGE_BLOCK_D_CHOICES:
         # with the grid-dependency wait where the launch has it
         cx = {"D_V": 512, "BLOCK_H": cfg_sparse_mla.MERGE_BLOCK_H, "BLOCK_D": block_d, "HAS_SINK": True,
-              "WAIT_PRIMARY": arch >= sparse_mla_decode.PDL_MIN_ARCH}
+              "WAIT_PRIMARY": arch >= decode_merge.PDL_MIN_ARCH}
         sig = _constexpr(merge_sig, cx)
         jobs.append(AotJob("sparse_mla", "merge", f"BLOCK_D={block_d}", arch,
-                           sparse_mla_decode._sparse_mla_decode_merge_kernel, sig, cx, cfg_sparse_mla.MERGE_NUM_WARPS,
+                           decode_merge._sparse_mla_decode_merge_kernel, sig, cx, cfg_sparse_mla.MERGE_NUM_WARPS,
                            1, _div16(sig)))
     return jobs
 
@@ -328,21 +326,21 @@ def mhc_jobs(arch: int) -> list[AotJob]:
                 label = (f"BLOCK_N={block_n} BLOCK_M={cfg.block_m} BLOCK_K={cfg.block_k} {precision}"
                          f"{' parts' if b_parts else ''}{' atomic' if atomic_sums else ''} "
                          f"warps={cfg.num_warps} stages={cfg.num_stages}")
-                jobs.append(AotJob("mhc", "gemm", label, arch, mhc._mhc_prenorm_gemm_kernel, sig, cx, cfg.num_warps,
-                                   cfg.num_stages, mhc._GEMM_DIVISIBLE))
+                jobs.append(AotJob("mhc", "gemm", label, arch, mhc_kernels._mhc_prenorm_gemm_kernel, sig, cx,
+                                   cfg.num_warps, cfg.num_stages, mhc._GEMM_DIVISIBLE))
     parts = any(b_parts for _, _, b_parts in shipped)
     if parts:
         for zero_out in sorted({False, cfg_mhc.ATOMIC_CHUNK_SUMS}):
             cx = {"NUM_PARTS": mhc._num_parts(cfg_mhc.PARTS_PRECISION), "BLOCK": cfg_mhc.SPLIT_B_BLOCK,
                   "USE_PDL": pdl, "ZERO_OUT": zero_out}
-            jobs.append(AotJob("mhc", "split_b", f"ZERO_OUT={zero_out}", arch, mhc._mhc_prenorm_split_b_kernel,
+            jobs.append(AotJob("mhc", "split_b", f"ZERO_OUT={zero_out}", arch, mhc_kernels._mhc_prenorm_split_b_kernel,
                                mhc._SPLIT_B_SIGNATURE, cx, cfg_mhc.SPLIT_B_NUM_WARPS, 3, mhc._SPLIT_B_DIVISIBLE))
     for use_pdl in sorted({False, parts and pdl}):
         for block_j, block in cfg_mhc.shipped_reduce_blocks():
             cx = {"BLOCK": block, "BLOCK_J": block_j, "USE_PDL": use_pdl}
             jobs.append(AotJob("mhc", "reduce", f"BLOCK={block} BLOCK_J={block_j} pdl={use_pdl}", arch,
-                               mhc._mhc_prenorm_reduce_kernel, mhc._REDUCE_SIGNATURE, cx, cfg_mhc.REDUCE_NUM_WARPS, 3,
-                               mhc._REDUCE_DIVISIBLE))
+                               mhc_kernels._mhc_prenorm_reduce_kernel, mhc._REDUCE_SIGNATURE, cx,
+                               cfg_mhc.REDUCE_NUM_WARPS, 3, mhc._REDUCE_DIVISIBLE))
     return jobs
 
 

@@ -30,8 +30,8 @@ from types import ModuleType
 
 import torch
 
-from nsa_backend.routing.capabilities import deep_gemm_api_version, parse_version
-from nsa_backend.routing.router import get_padded_heads
+from nsa_backend._settings import padded_heads
+from nsa_backend.native.versions import deep_gemm_api_version, parse_version
 
 
 @functools.cache
@@ -102,7 +102,7 @@ def fp8_mqa_logits(
     """``deep_gemm.fp8_mqa_logits`` with head padding and compressed-output cleaning."""
     dg = _module()
     heads = q.shape[1]
-    target = get_padded_heads("fp8_mqa_logits", "deep_gemm", heads, device=q.device)
+    target = padded_heads("fp8_mqa_logits", "deep_gemm", heads, q.device)
     q = _pad_heads(q, 1, target)
     weights = _pad_heads(weights, 1, target)
     compressed = max_seqlen_k > 0
@@ -141,7 +141,7 @@ def fp8_paged_mqa_logits(
     """``deep_gemm.fp8_paged_mqa_logits`` with head padding and both context_lens forms."""
     dg = _module()
     _, next_n, heads, _ = q.shape
-    target = get_padded_heads("fp8_paged_mqa_logits", "deep_gemm", heads, device=q.device)
+    target = padded_heads("fp8_paged_mqa_logits", "deep_gemm", heads, q.device)
     q = _pad_heads(q, 2, target)
     weights = _pad_heads(weights, 1, target)
     form = context_lens_form()
@@ -196,7 +196,7 @@ def fp8_fp4_mqa_logits(
     ``[S, H, 4]`` / ``[N, 4]``); returns ``float32`` ``[S, N]`` or ``[S, max_seqlen_k]``."""
     dg = _module()
     heads = q.shape[1]
-    target = get_padded_heads("fp8_fp4_mqa_logits", "deep_gemm", heads, device=q.device)
+    target = padded_heads("fp8_fp4_mqa_logits", "deep_gemm", heads, q.device)
     q_pair = _fp4_q(q, q_scale, 1, target)
     weights = _pad_heads(weights, 1, target)
     num_keys = k.shape[0]
@@ -232,7 +232,7 @@ def fp8_fp4_paged_mqa_logits(
     cache; returns ``float32`` ``[B * next_n, max_context_len]``."""
     dg = _module()
     batch, next_n, heads, _ = q.shape
-    target = get_padded_heads("fp8_fp4_paged_mqa_logits", "deep_gemm", heads, device=q.device)
+    target = padded_heads("fp8_fp4_paged_mqa_logits", "deep_gemm", heads, q.device)
     values, scales = _fp4_q(q, q_scale, 2, target)
     weights = _pad_heads(weights, 1, target)
     limits = expand_context_lens(context_lens, next_n) if context_lens.dim() == 1 else context_lens.contiguous()

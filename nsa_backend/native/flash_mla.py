@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
+from nsa_backend._settings import padded_heads
 from nsa_backend.kernels.slots import mask_invalid_slots
-from nsa_backend.routing.router import get_padded_heads
 
 PREFILL_TOPK_BLOCK = 128
 DECODE_TOPK_BLOCK = 64
@@ -131,7 +131,7 @@ def flash_mla_sparse_fwd(
     """``flash_mla.flash_mla_sparse_fwd`` (natural-log ``lse``)."""
     fm = _module()
     heads, d_qk = q.shape[1], q.shape[2]
-    target = get_padded_heads("flash_mla_sparse_fwd", "flash_mla", heads, device=q.device)
+    target = padded_heads("flash_mla_sparse_fwd", "flash_mla", heads, q.device)
     q = _pad_dim(q, 1, target)
     if attn_sink is not None:
         attn_sink = _pad_dim(attn_sink, 0, target)
@@ -185,7 +185,7 @@ def sparse_mla_decode(
         extra_width = _round_up(extra_indices.shape[2], DECODE_TOPK_BLOCK)
         extra_indices = mask_invalid_slots(extra_indices, extra_cache.shape[0] * extra_cache.shape[1],
                                            extra_topk_length, extra_width)
-    target = get_padded_heads("sparse_mla_decode", "flash_mla", heads, device=q.device)
+    target = padded_heads("sparse_mla_decode", "flash_mla", heads, q.device)
     q = _pad_dim(q, 2, target)
     if attn_sink is not None:
         attn_sink = _pad_dim(attn_sink, 0, target)

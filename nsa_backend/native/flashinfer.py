@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from nsa_backend.routing.router import get_padded_heads
+from nsa_backend._settings import padded_heads
 
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
@@ -107,7 +107,7 @@ def sparse_mla_decode(
     num_slots = cache.shape[0] * cache.shape[1]
     invalid = (indices < 0) | (indices >= num_slots)
     indices = torch.where(invalid, torch.full_like(indices, -1), indices).contiguous()
-    target = get_padded_heads("sparse_mla_decode", "flashinfer", heads, device=q.device)
+    target = padded_heads("sparse_mla_decode", "flashinfer", heads, q.device)
     if target != heads:
         q = torch.cat([q, q.new_zeros(batch, s_q, target - heads, q.shape[3])], dim=2)
     sinks = None

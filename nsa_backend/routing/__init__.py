@@ -30,6 +30,7 @@ from nsa_backend.routing.device import (
     ModelInfo,
     detect_arch,
     family_from_capability,
+    hardware_arch,
     model_family,
     model_info,
 )
@@ -40,7 +41,6 @@ from nsa_backend.routing.router import (
     clear_cache,
     decide,
     get_padded_heads,
-    hardware_arch,
     model_op_features,
     plan_routes,
     select_impl,

@@ -32,6 +32,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nsa_backend._settings import settings_changed
+from nsa_backend.native.versions import deep_gemm_api_version, parse_version
+from nsa_backend.routing import device as _device
 from nsa_backend.routing.device import CUDA_ARCHS, GPU_ARCHS
 
 OPS: tuple[str, ...] = (
@@ -165,14 +168,6 @@ def _row(op: str, impl: str, archs: Iterable[str], *, package: str | None = None
          library_limits: tuple[tuple[str, str], ...] = (), **where: Constraint) -> Support:
     return Support(op, impl, frozenset(archs), tuple(where.items()), package, min_version, max_version, note, probe,
                    kernels, library_limits)
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """Leading numeric release of a version string (``"0.6.18.post1+cu13"`` -> ``(0, 6, 18)``)."""
-    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", text)
-    if not match:
-        return (0,)
-    return tuple(int(p) for p in match.group(1).split("."))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,6 +344,7 @@ TRITON_OVER_PADDED: tuple[Support, ...] = (
 def gluon_usable(arch: str) -> bool:
     """Whether the Gluon kernels may run on ``arch`` (``"sm90"``, ...): this Triton has a Gluon they are
     written for and ``NSA_BACKEND_GLUON`` does not turn them off."""
+    # Imported here: the kernels import Triton, which routing does not need otherwise.
     from nsa_backend.kernels._gluon import gluon_enabled
 
     digits = arch[2:] if arch.startswith("sm") else ""
@@ -428,26 +424,6 @@ def _distribution_version(name: str) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
-
-
-def deep_gemm_api_version(module: Any) -> str:
-    """Upstream DeepGEMM release whose API ``module`` matches.
-
-    Upstream releases declare ``__version__`` (2.2+). Forks number their own releases
-    (``sgl-deep-gemm`` 0.2.x reports ``0.2.3.post2``), so the API is read from the functions they
-    export instead: ``bf16_mega_moe`` arrived in 2.6, ``fp8_fp4_paged_mqa_logits`` (2-D context
-    lengths only) in 2.4, ``tf32_hc_prenorm_gemm`` in 2.3.
-    """
-    declared = getattr(module, "__version__", None)
-    if declared is not None and parse_version(str(declared)) >= (2, 2):
-        return str(declared)
-    if hasattr(module, "bf16_mega_moe"):
-        return "2.6"
-    if hasattr(module, "fp8_fp4_paged_mqa_logits"):
-        return "2.4"
-    if hasattr(module, "tf32_hc_prenorm_gemm"):
-        return "2.3"
-    return "2.1"
 
 
 # A JIT kernel name stored as its own C string in the library (``jit->compile("sm120_...", ...)``).
@@ -577,9 +553,7 @@ def set_native_status(statuses: Mapping[str, NativeStatus] | None) -> None:
         full = {name: NativeStatus(name, False, None, "not installed") for name in NATIVE_IMPLS}
         full.update(statuses)
         _probe_override = full
-    from nsa_backend.routing.router import clear_cache
-
-    clear_cache()
+    settings_changed()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -698,12 +672,10 @@ def _probe_reason(row: Support, arch: str, device: Any) -> str | None:
     """``None`` when the row's GPU probe passes on ``device``, else why not."""
     import torch
 
-    from nsa_backend.routing.router import hardware_arch
-
     if device is None or torch.device(device).type != "cuda":
         return f"whether the installed {row.package} build has {arch} kernels is only known on the GPU"
     device = torch.device(device)
-    if hardware_arch(device) != arch:
+    if _device.hardware_arch(device) != arch:
         return f"whether the installed {row.package} build has {arch} kernels can only be checked on an {arch} GPU"
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (row.probe, index)

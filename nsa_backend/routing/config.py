@@ -22,6 +22,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from nsa_backend._settings import ConfigError, set_forced_arch_source, settings_changed
 from nsa_backend.routing.device import ARCH_FAMILIES
 
 if sys.version_info >= (3, 11):
@@ -50,10 +51,6 @@ SECTIONS: tuple[str, ...] = ("defaults", "arch", "model")
 INTEGRATION_SECTIONS: tuple[str, ...] = ("sglang", "vllm")
 
 logger = logging.getLogger("nsa_backend")
-
-
-class ConfigError(ValueError):
-    """A config file or environment variable holds an unknown section, key or value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,9 +239,7 @@ def use_config(path: str | os.PathLike[str] | None = None) -> Config:
         _explicit_path = os.fspath(path) if path is not None else None
         _active = cfg
     _apply_log_level(cfg)
-    from nsa_backend.routing.router import clear_cache
-
-    clear_cache()
+    settings_changed()
     return cfg
 
 
@@ -254,10 +249,16 @@ def reset_config() -> None:
     with _lock:
         _active = None
         _explicit_path = None
-    from nsa_backend.routing.router import clear_cache
-
-    clear_cache()
+    settings_changed()
 
 
 def _apply_log_level(cfg: Config) -> None:
     logger.setLevel(cfg.log_level.upper())
+
+
+def _forced_arch() -> str | None:
+    return get_config().force_arch
+
+
+# The kernels tune launches for a forced arch; they read it through ``nsa_backend._settings``.
+set_forced_arch_source(_forced_arch)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from nsa_backend import _settings
+
 ARCH_FAMILIES: tuple[str, ...] = (
     "sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120", "sm121", "rocm", "cpu",
 )
@@ -74,9 +76,7 @@ def check_arch(name: str, source: str) -> str:
 
 def forced_arch() -> str | None:
     """The arch family forced by ``NSA_BACKEND_FORCE_ARCH`` or the config file's ``force_arch``."""
-    from nsa_backend.routing.config import get_config
-
-    return get_config().force_arch
+    return _settings.forced_arch()
 
 
 @functools.cache
@@ -113,6 +113,17 @@ def detect_arch(device: torch.device | str | int | None = None) -> str:
     forced = forced_arch()
     if forced is not None:
         return forced
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_family("cuda", index)
+
+
+def hardware_arch(device: torch.device | str | None) -> str:
+    """Arch family of the GPU that actually runs ``device``'s kernels (ignores a forced arch)."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "cpu"
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_family("cuda", index)
 

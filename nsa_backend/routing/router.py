@@ -30,10 +30,13 @@ from typing import Any
 
 import torch
 
-from nsa_backend import envs
+from nsa_backend import _settings, envs
 from nsa_backend.routing import capabilities as caps
+from nsa_backend.routing import device as _device
+from nsa_backend.routing import implementations
 from nsa_backend.routing.config import Config, get_config
 from nsa_backend.routing.device import DEEPSEEK_V4, detect_arch
+from nsa_backend.routing.validate import CHOICE_TO_IMPL
 
 logger = logging.getLogger("nsa_backend")
 
@@ -125,12 +128,10 @@ def active_model() -> str | None:
 @functools.cache
 def _implemented(op: str) -> tuple[str, ...]:
     """Implementations of ``op`` present in this installation (Triton only when its module exists)."""
-    from nsa_backend import _dispatch
-
-    table = _dispatch.IMPLEMENTATIONS.get(op)
+    table = implementations.IMPLEMENTATIONS.get(op)
     if table is None:
         raise ValueError(f"unknown op {op!r}; known ops: {list(caps.OPS)}")
-    present = set(_dispatch.available_impls(op))
+    present = set(implementations.available_impls(op))
     return tuple(impl for impl in table if impl != "triton" or "triton" in present)
 
 
@@ -306,19 +307,6 @@ def padded_heads(op: str, impl: str, num_heads: int, arch: str) -> int:
     return num_heads
 
 
-def hardware_arch(device: torch.device | str | None) -> str:
-    """Arch family of the GPU that actually runs ``device``'s kernels (ignores a forced arch)."""
-    if device is None:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "cpu"
-    from nsa_backend.routing.device import _device_family
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_family("cuda", index)
-
-
 def get_padded_heads(op: str, impl: str, num_heads: int, device: torch.device | str | None = None,
                      arch: str | None = None) -> int:
     """Number of heads a native kernel needs for ``num_heads`` real ones.
@@ -330,8 +318,18 @@ def get_padded_heads(op: str, impl: str, num_heads: int, device: torch.device | 
     GPU of ``device`` decides (a forced routing arch does not change what the hardware accepts).
     """
     if arch is None:
-        arch = hardware_arch(device)
+        arch = _device.hardware_arch(device)
     return padded_heads(op, impl, int(num_heads), arch)
+
+
+def _padded_heads_for(op: str, impl: str, num_heads: int, device: Any) -> int:
+    return get_padded_heads(op, impl, num_heads, device=device)
+
+
+# Lower layers reach routing's state through ``nsa_backend._settings``: the native wrappers ask it for the
+# head count to pad to, and a configuration change drops the decisions cached here.
+_settings.set_padded_heads_source(_padded_heads_for)
+_settings.on_settings_change(clear_cache)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,8 +395,6 @@ def plan_routes(info: Any, arch: str, *, kv_cache_dtype: str = "fp8_e4m3", tp: i
     A prefill/decode choice served by the framework's own kernel (``fa3``, ``tilelang``, ``trtllm``,
     ...) appears as ``framework:<name>``.
     """
-    from nsa_backend.routing.validate import CHOICE_TO_IMPL
-
     phase_choice = {"flash_mla_sparse_fwd": ("--prefill-impl", prefill_impl),
                     "sparse_mla_decode": ("--decode-impl", decode_impl)}
     out = []

@@ -318,7 +318,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     import json, os
     os.environ.pop("TRITON_INTERPRET", None)
     from nsa_backend.kernels import aot
-    from nsa_backend.kernels import indexer_fp4 as k4
+    from nsa_backend.kernels.indexer import fp4 as k4
 
     # Few heads with MXFP4 q; the most heads with both q formats (the largest accumulator, 8 warps).
     jobs = [(kind, arch, hp, q4) for arch in aot.TARGET_ARCHS for kind in ("ragged", "paged")

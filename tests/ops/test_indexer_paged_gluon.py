@@ -73,7 +73,7 @@ def _paged_case(B, H, lens, ctx_2d, pad=0, spare=3, bad_pages=False, device="cpu
 # ------------------------------------------------------------------------------------------------
 
 def test_gate_off_without_cuda():
-    from nsa_backend.kernels import indexer_paged_gluon as G
+    from nsa_backend.kernels.indexer import sm90_gluon_paged as G
 
     q, cache, *_ = _paged_case(2, 64, [70, 5], False)
     assert G.shape_supported(q, cache)
@@ -84,7 +84,7 @@ def test_gate_off_without_cuda():
 
 def test_shape_rules():
     from nsa_backend.configs import indexer as ci
-    from nsa_backend.kernels import indexer_paged_gluon as G
+    from nsa_backend.kernels.indexer import sm90_gluon_paged as G
 
     q, cache, *_ = _paged_case(2, 64, [70, 5], False)
     assert G.shape_supported(q, cache.squeeze(2))
@@ -99,7 +99,7 @@ def test_shape_rules():
 
 
 def test_tma_rule():
-    from nsa_backend.kernels import indexer_paged_gluon as G
+    from nsa_backend.kernels.indexer import sm90_gluon_paged as G
 
     for pad, ok in ((0, True), (128, True), (16, False), (64, False)):
         _, cache, *_ = _paged_case(2, 64, [70, 5], False, pad=pad)
@@ -125,7 +125,7 @@ def descriptor_cache(monkeypatch):
     """An empty descriptor cache of 4 entries for the test."""
     from collections import OrderedDict
 
-    from nsa_backend.kernels import indexer_paged_gluon as G
+    from nsa_backend.kernels.indexer import sm90_gluon_paged as G
 
     monkeypatch.setattr(G, "_DESCRIPTORS", OrderedDict())
     monkeypatch.setattr(G, "DESCRIPTOR_CACHE_SIZE", 4)
@@ -208,7 +208,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     rows = []
     if gluon_importable():
         from nsa_backend.configs import indexer as ci
-        from nsa_backend.kernels import indexer_paged_gluon as G
+        from nsa_backend.kernels.indexer import sm90_gluon_paged as G
         launches = [(n, c, True) for n, c in ci.PAGED_GLUON.items()]
         launches += [(n, c, True) for n, c in ci.PAGED_GLUON_CP.items()] + [(1, G._FALLBACK, False)]
         for next_n, cfg, shipped in launches:
@@ -288,7 +288,7 @@ def test_gluon_paged_one_key_two_rows_gpu(ws):
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.configs.indexer import PagedGluonConfig as C
-    from nsa_backend.kernels.indexer_paged_gluon import fp8_paged_mqa_logits_gluon
+    from nsa_backend.kernels.indexer.sm90_gluon_paged import fp8_paged_mqa_logits_gluon
 
     config = C(4, 3, warp_specialize=True, max_regs=80) if ws else None
     for seed in (120, 121, 122):
@@ -306,7 +306,7 @@ def test_gluon_paged_one_key_two_rows_gpu(ws):
 def test_gluon_paged_gpu_fuzz():
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
-    from nsa_backend.kernels.indexer_paged_gluon import fp8_paged_mqa_logits_gluon
+    from nsa_backend.kernels.indexer.sm90_gluon_paged import fp8_paged_mqa_logits_gluon
 
     for c in _fuzz_cases(FUZZ_CASES, seed=11):
         q, cache, w, ctx, table, max_len = _paged_case(c["B"], c["H"], c["lens"], c["ctx_2d"], c["pad"],
@@ -325,8 +325,8 @@ def test_gluon_paged_route_gpu(monkeypatch):
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     import nsa_backend as nb
-    from nsa_backend.kernels import indexer_paged_gluon as G
     from nsa_backend.kernels.indexer import fp8_paged_mqa_logits_triton
+    from nsa_backend.kernels.indexer import sm90_gluon_paged as G
 
     for pad, next_n in ((0, 2), (16, 2), (0, 1), (16, 1)):  # TMA + loader partition, cp.async
         q, cache, w, ctx, table, max_len = _paged_case(5, 64, [3000, 0, 1, 700, 5000], True, pad=pad,
@@ -352,7 +352,7 @@ def test_gluon_paged_route_gpu(monkeypatch):
 def test_gluon_paged_cuda_graph():
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
-    from nsa_backend.kernels.indexer_paged_gluon import fp8_paged_mqa_logits_gluon
+    from nsa_backend.kernels.indexer.sm90_gluon_paged import fp8_paged_mqa_logits_gluon
 
     q, cache, w, ctx, table, max_len = _paged_case(16, 64, [4096] * 8 + [0, 1, 65, 5000, 64, 128, 300, 2],
                                                    False, device="cuda", seed=5)
@@ -378,7 +378,7 @@ def test_gluon_paged_descriptor_reuse_gpu():
     shape and strides) computes from its own contents; another page stride is another entry."""
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
-    from nsa_backend.kernels import indexer_paged_gluon as G
+    from nsa_backend.kernels.indexer import sm90_gluon_paged as G
 
     lens = [3000, 0, 700, 5000]
     for seed, pad in ((1, 0), (2, 0), (3, 128)):  # the second cache usually takes the first one's memory

@@ -358,7 +358,7 @@ def test_merge_pdl_follows_the_gpu_itself(monkeypatch):
     """The merge is a programmatic dependent launch only on a GPU that has the wait instruction (sm_90 on,
     by its own capability even when routing is forced to another arch), never in the interpreter or off
     CUDA."""
-    from nsa_backend.kernels import sparse_mla_decode as dec
+    from nsa_backend.kernels.sparse_mla_decode import merge as dec
 
     assert not dec.merge_pdl(torch.device("cpu"))
     cuda = torch.device("cuda", 0)

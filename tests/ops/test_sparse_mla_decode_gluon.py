@@ -44,7 +44,7 @@ _AOT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from nsa_backend.kernels import sparse_mla_decode_gluon as m
+    from nsa_backend.kernels.sparse_mla_decode import sm90_gluon as m
     from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
 
     fn = m._sparse_mla_decode_gluon_kernel
@@ -119,7 +119,7 @@ _AOT_POW2 = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from nsa_backend.kernels import sparse_mla_decode_gluon as m
+    from nsa_backend.kernels.sparse_mla_decode import sm90_gluon as m
 
     fn = m._sparse_mla_decode_gluon_pair_kernel
     ints = ["h_q", "topk", "n_slots", "keys_per_split", "rows_per_batch", "stride_q_row",
@@ -175,7 +175,7 @@ def test_gluon_decode_pair_pow2_reads_run_a_group_ahead(pair_ptx_counts):
     """The power-of-two conversion of the pair kernel reads the bytes of the next latent group before it stores
     the keys of the current one (ptxas keeps shared-memory reads below earlier stores, so the order of the source
     is the order of the machine code): before the first key store of a tile, two groups' bytes are in flight."""
-    from nsa_backend.kernels import sparse_mla_decode_gluon as m
+    from nsa_backend.kernels.sparse_mla_decode import sm90_gluon as m
 
     counts = pair_ptx_counts
     # 8-byte reads (DQ_VEC 8): a group of a half tile is 32 rows x 128 bytes over 128 threads
@@ -206,7 +206,7 @@ def test_gluon_decode_pow2_bits_are_e4m3_times_2_pow_minus_120():
     import inspect
     import re
 
-    from nsa_backend.kernels import sparse_mla_decode_gluon as m
+    from nsa_backend.kernels.sparse_mla_decode import sm90_gluon as m
 
     src = inspect.getsource(m)  # the kernel's source, also where this Triton has no Gluon
     src = src[src.index("def _sparse_mla_decode_gluon_dequant("):]
@@ -235,7 +235,7 @@ def test_gluon_decode_pow2_bits_are_e4m3_times_2_pow_minus_120():
 def test_gluon_decode_pair_override_checked(kw, match):
     """Forcing the pair kernel where it cannot run, or options it does not have, is an error before any
     launch."""
-    from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import sparse_mla_decode_gluon
 
     q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
     cache = torch.zeros(2, 64, 656, dtype=torch.uint8)
@@ -245,7 +245,7 @@ def test_gluon_decode_pair_override_checked(kw, match):
 
 
 def test_gluon_decode_plan_is_shape_only():
-    from nsa_backend.kernels.sparse_mla_decode_gluon import decode_gluon_plan
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import decode_gluon_plan
 
     plan = decode_gluon_plan(32, 1, 16, 2048, 132)
     assert plan == decode_gluon_plan(32, 1, 16, 2048, 132)
@@ -257,7 +257,7 @@ def test_gluon_decode_plan_is_shape_only():
 
 
 def test_gluon_decode_support_rules():
-    from nsa_backend.kernels.sparse_mla_decode_gluon import gluon_decode_supported
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import gluon_decode_supported
 
     q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
     cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
@@ -310,7 +310,7 @@ def _gluon_cases(n: int, seed: int) -> list[tuple[dict, dict]]:
 
 
 def _run_gluon(a: dict, case: str, **kw) -> float:
-    from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import sparse_mla_decode_gluon
 
     return run_decode_case(a, case, decode=sparse_mla_decode_gluon, **kw)
 
@@ -367,7 +367,7 @@ def test_gluon_decode_empty_rows_gpu(pair):
         a["indices"][0] = -1
         a["indices"][1, 1] = a["kv_cache"].shape[0] * a["kv_cache"].shape[1]  # == n_slots: invalid
         _run_gluon(a, f"empty rows {kw}", **kw)
-        from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+        from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import sparse_mla_decode_gluon
 
         out, lse = sparse_mla_decode_gluon(**a, **kw)
         assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
@@ -377,7 +377,7 @@ def test_gluon_decode_empty_rows_gpu(pair):
 @pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 @pytest.mark.parametrize("pair", [False, True])
 def test_gluon_decode_cuda_graph(pair):
-    from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import sparse_mla_decode_gluon
 
     c = dict(B=8, s_q=1, h_q=16, topk=512, kv_format="fp8_ds_mla", scale_format="arbitrary", page=64,
              num_blocks=64, frac_invalid=0.1, sink=False, topk_len=True, pad_pages=False, seed=5)
@@ -395,7 +395,7 @@ def test_decode_op_routes_few_heads_to_gluon(monkeypatch):
     """``sparse_mla_decode_triton`` takes the Gluon kernel for the head counts listed, the tl kernel
     with ``NSA_BACKEND_GLUON=0`` (both match the reference)."""
     from nsa_backend.kernels.sparse_mla_decode import GLUON_DECODE_HEADS, sparse_mla_decode_triton
-    from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import sparse_mla_decode_gluon
 
     c = dict(B=3, s_q=2, h_q=16, topk=300, kv_format="fp8_ds_mla", scale_format="pow2", page=64,
              num_blocks=16, frac_invalid=0.1, sink=True, topk_len=True, pad_pages=False, seed=9)
@@ -419,7 +419,7 @@ def test_gluon_decode_pair_pow2_scales_same_numbers_gpu():
     """``kv_scale_format="pow2"`` on caches written with power-of-two scales: bit-identical to the exact
     conversion (the same keys) over the pair cases, and within tolerance through the public op."""
     import nsa_backend as nb
-    from nsa_backend.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import sparse_mla_decode_gluon
 
     for c, kw in _pair_cases(16, seed=13):
         a = decode_case(**{**c, "scale_format": "pow2"})

@@ -40,7 +40,7 @@ triton = pytest.importorskip("triton")
 _AOT = textwrap.dedent(
     """
     import json
-    from nsa_backend.kernels import sparse_mla_decode_gluon_ws as m
+    from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as m
     from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
 
     rows = []
@@ -57,7 +57,7 @@ _AOT = textwrap.dedent(
 _AOT_POW2 = textwrap.dedent(
     """
     import json
-    from nsa_backend.kernels import sparse_mla_decode_gluon_ws as m
+    from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as m
     from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
 
     out = {}
@@ -91,7 +91,7 @@ def test_ws_decode_pow2_conversion_takes_the_integer_path():
 
 
 def test_ws_decode_plan_is_shape_only():
-    from nsa_backend.kernels.sparse_mla_decode_gluon_ws import BLOCK_N, plan
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon_ws import BLOCK_N, plan
 
     assert plan(32, 1, 64, 2048, 132) == plan(32, 1, 64, 2048, 132)
     splits, per = plan(32, 1, 64, 2048, 132)
@@ -103,7 +103,7 @@ def test_ws_decode_plan_is_shape_only():
 
 
 def test_ws_decode_support_rules():
-    from nsa_backend.kernels.sparse_mla_decode_gluon_ws import supported
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon_ws import supported
 
     q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
     cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
@@ -123,7 +123,7 @@ def test_ws_route_off_cuda_and_by_heads(monkeypatch):
     """Off CUDA (the interpreter) the decode op never takes the kernel, nor below the head threshold,
     nor when the module is not enabled."""
     from nsa_backend.kernels import sparse_mla_decode as D
-    from nsa_backend.kernels import sparse_mla_decode_gluon_ws as ws
+    from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as ws
 
     cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
     monkeypatch.setattr(ws, "ENABLED", True)
@@ -168,7 +168,7 @@ def _ws_cases(n: int, seed: int) -> list[tuple[dict, dict]]:
 
 
 def _run_ws(a: dict, case: str, **kw) -> float:
-    from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon_ws import sparse_mla_decode_gluon_ws
 
     return run_decode_case(a, case, decode=sparse_mla_decode_gluon_ws, **kw)
 
@@ -191,7 +191,7 @@ def test_ws_decode_pow2_scales_same_numbers_gpu():
     """``kv_scale_format="pow2"`` on caches written with power-of-two scales: bit-identical to the exact
     conversion (the same keys) over seeded cases, and within tolerance through the public op."""
     import nsa_backend as nb
-    from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon_ws import sparse_mla_decode_gluon_ws
 
     for c, kw in _ws_cases(24, seed=23):
         if "options" in kw:  # the kernel constants as shipped (each variant is a compile)
@@ -212,7 +212,7 @@ def test_ws_decode_pow2_scales_same_numbers_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 def test_ws_decode_empty_rows_gpu():
-    from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon_ws import sparse_mla_decode_gluon_ws
 
     c = dict(B=2, s_q=2, h_q=64, topk=256, kv_format="fp8_ds_mla", scale_format="pow2", page=64,
              num_blocks=4, frac_invalid=0.0, sink=True, topk_len=False, pad_pages=False, seed=3)
@@ -228,7 +228,7 @@ def test_ws_decode_empty_rows_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_sm90_gluon(), reason="the Gluon decode kernel runs on sm_90")
 def test_ws_decode_cuda_graph():
-    from nsa_backend.kernels.sparse_mla_decode_gluon_ws import sparse_mla_decode_gluon_ws
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon_ws import sparse_mla_decode_gluon_ws
 
     c = dict(B=8, s_q=2, h_q=128, topk=512, kv_format="fp8_ds_mla", scale_format="arbitrary", page=64,
              num_blocks=64, frac_invalid=0.1, sink=True, topk_len=True, pad_pages=False, seed=5)
@@ -245,7 +245,7 @@ def test_ws_decode_cuda_graph():
 def test_decode_op_routes_many_heads_to_ws(monkeypatch):
     """With the kernel enabled, ``sparse_mla_decode_triton`` takes it for 64 heads, the tl kernel with
     ``NSA_BACKEND_GLUON=0`` (both match the reference)."""
-    from nsa_backend.kernels import sparse_mla_decode_gluon_ws as ws
+    from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as ws
     from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
 
     c = dict(B=3, s_q=2, h_q=64, topk=300, kv_format="fp8_ds_mla", scale_format="pow2", page=64,

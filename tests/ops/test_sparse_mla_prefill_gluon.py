@@ -26,7 +26,7 @@ triton = pytest.importorskip("triton")
 
 
 def test_gate_off_without_cuda():
-    from nsa_backend.kernels import sparse_mla_prefill_gluon as G
+    from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon as G
 
     q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     kv = torch.zeros(8, 1, 576, dtype=torch.bfloat16)
@@ -39,7 +39,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     from nsa_backend.kernels._gluon import gluon_importable
     rows = []
     if gluon_importable():
-        from nsa_backend.kernels import sparse_mla_prefill_gluon as G
+        from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon as G
         rows.append(int(G.compile_for_sm90().metadata.shared))
     print(json.dumps(rows))
 """)
@@ -75,7 +75,7 @@ def _fuzz_cases(n: int, seed: int = 0) -> list[dict]:
 
 
 def _run(a: dict, case: str) -> float:
-    from nsa_backend.kernels.sparse_mla_prefill_gluon import flash_mla_sparse_fwd_gluon
+    from nsa_backend.kernels.sparse_mla_prefill.sm90_gluon import flash_mla_sparse_fwd_gluon
 
     out, mx, lse = flash_mla_sparse_fwd_gluon(**a)
     r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)

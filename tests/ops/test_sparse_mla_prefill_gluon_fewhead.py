@@ -26,7 +26,7 @@ triton = pytest.importorskip("triton")
 
 
 def test_gate_off_without_cuda():
-    from nsa_backend.kernels import sparse_mla_prefill_gluon_fewhead as F
+    from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon_fewhead as F
 
     q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(8, 1, 576, dtype=torch.bfloat16)
@@ -35,7 +35,7 @@ def test_gate_off_without_cuda():
 
 
 def test_plan():
-    from nsa_backend.kernels.sparse_mla_prefill_gluon_fewhead import PLANS, FewheadPlan, fewhead_plan
+    from nsa_backend.kernels.sparse_mla_prefill.sm90_gluon_fewhead import PLANS, FewheadPlan, fewhead_plan
 
     for h_q, bh in ((1, 16), (16, 16), (17, 32), (32, 32)):
         p = fewhead_plan(4096, h_q)
@@ -57,7 +57,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     from nsa_backend.kernels._gluon import gluon_importable
     rows = []
     if gluon_importable():
-        from nsa_backend.kernels import sparse_mla_prefill_gluon_fewhead as F
+        from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon_fewhead as F
         for bh in (16, 32):
             k = F.compile_for_sm90(bh)  # the shipped plan of each head block
             try:
@@ -104,7 +104,7 @@ def _fuzz_cases(n: int, seed: int = 0) -> list[dict]:
 
 
 def _run(a: dict, case: str, **plan) -> float:
-    from nsa_backend.kernels.sparse_mla_prefill_gluon_fewhead import flash_mla_sparse_fwd_gluon_fewhead
+    from nsa_backend.kernels.sparse_mla_prefill.sm90_gluon_fewhead import flash_mla_sparse_fwd_gluon_fewhead
 
     out, mx, lse = flash_mla_sparse_fwd_gluon_fewhead(**a, **plan)
     r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
@@ -146,7 +146,7 @@ def test_fewhead_prefill_bench_shape_matches_tl():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.configs.sparse_mla import prefill_config
     from nsa_backend.kernels.sparse_mla_prefill import block_h_for, flash_mla_sparse_fwd_triton
-    from nsa_backend.kernels.sparse_mla_prefill_gluon_fewhead import flash_mla_sparse_fwd_gluon_fewhead
+    from nsa_backend.kernels.sparse_mla_prefill.sm90_gluon_fewhead import flash_mla_sparse_fwd_gluon_fewhead
 
     for h_q in (16, 32):
         a = prefill_case(16, h_q, 576, 32768, 2048, 0.0, False, False, seed=h_q)
@@ -163,7 +163,7 @@ def test_fewhead_prefill_route_gpu():
     """The prefill launcher takes the few-head kernel for h_q <= 32 when it is enabled."""
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
-    from nsa_backend.kernels import sparse_mla_prefill_gluon_fewhead as F
+    from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon_fewhead as F
     from tests.ops.test_sparse_mla import run_prefill_case
 
     a = prefill_case(3, 16, 576, 500, 100, 0.1, True, True, seed=3)

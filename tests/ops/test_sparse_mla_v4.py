@@ -235,7 +235,7 @@ def test_router_sends_v4_to_flash_mla_or_its_own_triton_kernel(arch, expected):
                for name, version in (("deep_gemm", "2.6.1"), ("flash_mla", "1.0.0"), ("flashinfer", "0.7.2"))}
     decision = router.decide("sparse_mla_decode", "auto", arch, FEATURES, natives=natives)
     assert decision.impl == expected, decision
-    assert nb._dispatch.get_impl("sparse_mla_decode", "triton", V4).__module__.endswith("sparse_mla_v4_decode")
+    assert nb._dispatch.get_impl("sparse_mla_decode", "triton", V4).__module__.endswith(".sparse_mla_decode.v4")
     assert nb._dispatch.get_impl("sparse_mla_decode", "triton").__module__.endswith(".sparse_mla_decode")
 
 

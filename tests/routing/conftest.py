@@ -32,9 +32,9 @@ def clean_routing(monkeypatch):
 @pytest.fixture
 def all_kernels_present(monkeypatch):
     """Pretend every implementation module of the dispatch table is installed (Triton included)."""
-    from nsa_backend import _dispatch
+    from nsa_backend.routing import implementations
 
-    monkeypatch.setattr(_dispatch, "available_impls", lambda op: list(_dispatch.IMPLEMENTATIONS[op]))
+    monkeypatch.setattr(implementations, "available_impls", lambda op: list(implementations.IMPLEMENTATIONS[op]))
     router._implemented.cache_clear()
     yield
     router._implemented.cache_clear()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nsa_backend.routing import capabilities as caps
+from nsa_backend.routing import device as route_device
 from nsa_backend.routing.capabilities import MultipleOf, NativeStatus, OneOf, Range, evaluate
 from nsa_backend.routing.device import ARCH_FAMILIES
 
@@ -200,11 +201,10 @@ def test_describe_rows():
                                             ((True, ""), True)], ids=["upstream-build", "build-with-sm120"])
 def test_deep_gemm_sm120_only_where_the_build_has_it(monkeypatch, result, ok):
     from nsa_backend.native import deep_gemm as dg_wrap
-    from nsa_backend.routing import router
 
     calls = []
     monkeypatch.setattr(dg_wrap, "arch_supported", lambda device: calls.append(device) or result)
-    monkeypatch.setattr(router, "hardware_arch", lambda device: "sm120")
+    monkeypatch.setattr(route_device, "hardware_arch", lambda device: "sm120")
     caps._probe_cache.clear()
     cuda = torch.device("cuda", 0)
     for _ in range(2):
@@ -214,7 +214,7 @@ def test_deep_gemm_sm120_only_where_the_build_has_it(monkeypatch, result, ok):
     if not ok:
         assert "has no sm120 kernels (RuntimeError: Unsupported architecture)" in v.reason
     # A forced sm120 route on other hardware cannot tell.
-    monkeypatch.setattr(router, "hardware_arch", lambda device: "sm90")
+    monkeypatch.setattr(route_device, "hardware_arch", lambda device: "sm90")
     v = evaluate("fp8_mqa_logits", "deep_gemm", "sm120", {"num_heads": 32, **IDX, "device": cuda}, ALL_NATIVES)
     assert not v.ok and "can only be checked on an sm120 GPU" in v.reason
     caps._probe_cache.clear()

@@ -16,6 +16,7 @@ from nsa_backend.native import deep_gemm as dg_wrap
 from nsa_backend.native import flash_mla as fm_wrap
 from nsa_backend.native import flashinfer as fi_wrap
 from nsa_backend.routing import capabilities as caps
+from nsa_backend.routing import device as route_device
 from nsa_backend.routing import router
 
 FP8 = torch.float8_e4m3fn
@@ -25,7 +26,7 @@ FP8 = torch.float8_e4m3fn
 def on_arch(monkeypatch):
     """Make CPU tensors route as if they lived on ``arch`` (the wrappers ask routing for padding)."""
     def set_arch(arch: str):
-        monkeypatch.setattr(router, "hardware_arch", lambda device: arch)
+        monkeypatch.setattr(route_device, "hardware_arch", lambda device: arch)
         router.padded_heads.cache_clear()
     return set_arch
 

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_backend.kernels.fp8_ds_mla_v4 import _fp8_ds_mla_v4_bf16_round, _fp8_ds_mla_v4_e4m3_value
-from nsa_backend.kernels.sparse_mla_prefill import _sparse_mla_bf16, _sparse_mla_mma
+from nsa_backend.kernels.fp8_ds_mla.v4 import _fp8_ds_mla_v4_bf16_round, _fp8_ds_mla_v4_e4m3_value
+from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_bf16, _sparse_mla_mma
 from nsa_backend.reference import V4_DATA_BYTES, V4_HEAD_DIM
 
 BLOCK_H = 16

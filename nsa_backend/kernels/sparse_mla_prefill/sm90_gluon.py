@@ -5,7 +5,7 @@
 counts run on tiles padded to 64 heads, used from ``PADDED_MIN_HEADS`` heads on); the launcher in
 ``nsa_backend.kernels.sparse_mla_prefill`` calls it when :func:`supported` says so (16-byte aligned
 rows for ``cp.async``) and takes the ``tl`` kernel otherwise. Calls with up to 32 heads go first to
-the few-head kernel of ``nsa_backend.kernels.sparse_mla_prefill_gluon_fewhead`` (where it is
+the few-head kernel of ``nsa_backend.kernels.sparse_mla_prefill.sm90_gluon_fewhead`` (where it is
 ``ENABLED``), so in practice this kernel serves 33 heads and more.
 
 One program of ``_sparse_mla_prefill_gluon_kernel`` (8 warps: two warpgroups) handles one query row and
@@ -50,7 +50,7 @@ import torch
 import triton
 
 from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
-from nsa_backend.kernels.sparse_mla_prefill import prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill.common import prefill_outputs
 
 # Whether the prefill launcher takes this kernel where :func:`supported` allows it.
 ENABLED = True

@@ -48,8 +48,8 @@ import triton
 from nsa_backend.kernels._gluon import gluon_importable
 
 # The capabilities (GLUON_ARCHS) and row shapes (d_qk 576, d_v 512, rows_supported) are the 64-head kernel's.
-from nsa_backend.kernels.sparse_mla_prefill import prefill_outputs
-from nsa_backend.kernels.sparse_mla_prefill_gluon import GLUON_ARCHS, rows_supported
+from nsa_backend.kernels.sparse_mla_prefill.common import prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill.sm90_gluon import GLUON_ARCHS, rows_supported
 
 # Whether the prefill launcher takes this kernel where :func:`supported` allows it.
 ENABLED = True

@@ -1,7 +1,7 @@
 """Warp-specialised Gluon sparse MLA decode over the "fp8_ds_mla" paged cache, 64 heads per program (sm_90).
 
 Decoding ``B * s_q`` query rows is the prefill of that many rows over gathered fp8 cache rows, so this
-kernel follows ``nsa_backend.kernels.sparse_mla_prefill_gluon``: one program (two compute warpgroups
+kernel follows ``nsa_backend.kernels.sparse_mla_prefill.sm90_gluon``: one program (two compute warpgroups
 and a 4-warp loader partition) handles one query row ``(b, s)``, ``BLOCK_H = 64`` heads and one split
 of the row's top-k list (grid ``(head blocks, B * s_q, splits)``; the head blocks of a row are
 neighbours in the launch order, so the second one finds the gathered rows in L2):
@@ -51,7 +51,9 @@ import torch
 import triton
 
 from nsa_backend.configs.sparse_mla import decode_num_splits, split_keys
+from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
+from nsa_backend.kernels.sparse_mla_decode.merge import merge_splits
 
 # Whether the decode launcher takes this kernel where it is routed (``GLUON_WS_DECODE_MIN_HEADS``).
 ENABLED = True
@@ -87,7 +89,7 @@ if gluon_importable():
     )
 
     from nsa_backend.kernels._gluon import cp_async, cta_barrier
-    from nsa_backend.kernels.sparse_mla_decode_gluon import (
+    from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import (
         _sparse_mla_decode_gluon_dequant,
         _sparse_mla_decode_gluon_key_range,
         _sparse_mla_decode_gluon_lse,
@@ -417,9 +419,6 @@ def sparse_mla_decode_gluon_ws(
     power-of-two scales) dequantises with integer bits and a bf16 multiply: the same keys with fewer
     instructions.
     """
-    from nsa_backend.kernels._arch import device_sms
-    from nsa_backend.kernels.sparse_mla_decode import merge_splits
-
     B, s_q, h_q, _ = q.shape
     topk = indices.shape[-1]
     dev = q.device

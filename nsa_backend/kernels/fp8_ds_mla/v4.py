@@ -9,7 +9,7 @@ block-split: ``[P x 576 data bytes][P x 8 scale bytes]``. Per token and 64-wide 
     scale = 2 ** ceil(log2(max(amax, 1e-4) / 448)) (exact, from the fp32 bits of the quotient)
     byte  = e4m3(clamp(x / scale, -448, 448)),  scale byte = log2(scale) + 127
 
-The e4m3 bytes are produced with integer arithmetic (as in :mod:`nsa_backend.kernels.fp8_ds_mla`) and
+The e4m3 bytes are produced with integer arithmetic (as in :mod:`nsa_backend.kernels.fp8_ds_mla.v32`) and
 read back the same way, so both kernels compile for every architecture (sm_80 / sm_86 have no e4m3
 type in Triton) and match :mod:`nsa_backend.reference` byte for byte. Launches turn off fused
 multiply-add, and the sum of squares of the norm is taken in float64 (exact squares; the result does
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_backend.kernels.fp8_ds_mla import _fp8_ds_mla_e4m3_bits
+from nsa_backend.kernels.fp8_ds_mla.v32 import _fp8_ds_mla_e4m3_bits
 from nsa_backend.reference import V4_HEAD_DIM, V4_TOKEN_BYTES
 
 V4_NUM_WARPS = 4

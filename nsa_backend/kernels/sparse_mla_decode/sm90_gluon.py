@@ -89,7 +89,10 @@ import torch
 import triton
 
 from nsa_backend.configs.sparse_mla import decode_num_splits, split_keys
+from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
+from nsa_backend.kernels.sparse_mla_decode.merge import merge_splits
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E
 
 if gluon_importable():
     from triton.experimental import gluon
@@ -934,10 +937,6 @@ def sparse_mla_decode_gluon(
     pair kernel does not run). ``kv_scale_format="pow2"`` (the caller guarantees power-of-two scales) lets
     the pair kernel dequantise with a bf16 multiply: the same keys with fewer instructions.
     """
-    from nsa_backend.kernels._arch import device_sms
-    from nsa_backend.kernels.sparse_mla_decode import merge_splits
-    from nsa_backend.kernels.sparse_mla_prefill import LOG2E
-
     B, s_q, h_q, _ = q.shape
     topk = indices.shape[-1]
     dev = q.device

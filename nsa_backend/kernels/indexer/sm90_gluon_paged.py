@@ -62,6 +62,7 @@ import torch
 import triton
 
 from nsa_backend.configs import indexer as cfgs
+from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
 
 # Whether the paged launcher takes this kernel where :func:`supported` allows it.
@@ -661,8 +662,6 @@ def fp8_paged_mqa_logits_gluon(
     torch.Tensor
         ``[B * next_n, max_context_len]`` ``float32``.
     """
-    from nsa_backend.kernels._arch import device_sms
-
     B, next_n, H, D = q.shape
     if kv_cache.dim() == 3:
         kv_cache = kv_cache.unsqueeze(2)

@@ -1,7 +1,8 @@
-"""Triton sparse MLA attention: the shared tile kernel and the prefill launcher.
+"""Portable Triton (``tl``) sparse MLA attention: the tile kernel shared by prefill and decode.
 
 ``_sparse_mla_fwd_kernel`` is the one attention kernel of the family; prefill
-(:func:`flash_mla_sparse_fwd_triton`) and decode (``nsa_backend.kernels.sparse_mla_decode``) launch
+(:func:`nsa_backend.kernels.sparse_mla_prefill.flash_mla_sparse_fwd_triton`) and decode
+(:func:`nsa_backend.kernels.sparse_mla_decode.sparse_mla_decode_triton`) launch
 it. One program handles one query row (``q[row]``: ``h_q`` heads sharing one list of ``topk``
 key indices), a block of ``BLOCK_H`` heads and one split of the key list:
 
@@ -35,16 +36,11 @@ Tensor layouts (strides in elements of each pointer):
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from nsa_backend import envs
-from nsa_backend.configs.sparse_mla import AttnConfig, heads_per_program, prefill_config
-from nsa_backend.kernels._arch import device_arch
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 # The CPU interpreter (Triton 3.9) multiplies bf16 dot operands as raw integers: it gets fp32
 # operands instead, which is the same product (bf16 x bf16 is exact in fp32).
 _INTERPRET = tl.constexpr(envs.triton_interpret())
@@ -256,109 +252,3 @@ def _sparse_mla_fwd_kernel(
     _sparse_mla_store_group(out_ptr, o_oh, m_h, b_acc1, b_inv, 1, not SPLIT)
     _sparse_mla_store_group(out_ptr, o_oh, m_h, b_acc2, b_inv, 2, not SPLIT)
     _sparse_mla_store_group(out_ptr, o_oh, m_h, b_acc3, b_inv, 3, not SPLIT)
-
-
-def fp8_native(arch: int | None) -> bool:
-    """Whether kernels use Triton's e4m3 type on ``sm_<arch>`` (``None``: the interpreter, yes)."""
-    from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH
-
-    return arch is None or arch >= FP8_NATIVE_MIN_ARCH
-
-
-def prefill_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised results of a prefill launch on ``q``'s device: ``out [s_q, h_q, d_v]`` bfloat16,
-    ``max_logits`` and ``lse [s_q, h_q]`` float32 (the order the op returns them in)."""
-    s_q, h_q, _ = q.shape
-    out = torch.empty(s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
-    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    return out, max_logits, lse
-
-
-def block_h_for(h_q: int, arch: int | None = 90) -> int:
-    """Heads per program on ``sm_<arch>``: the next power of two of ``h_q`` in [16, 64], at most 32 on the
-    99 KiB parts (:func:`nsa_backend.configs.sparse_mla.heads_per_program`)."""
-    return heads_per_program(h_q, arch)
-
-
-def flash_mla_sparse_fwd_triton(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int = 512,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
-    *,
-    config: AttnConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton :func:`nsa_backend.flash_mla_sparse_fwd` (see the module docstring for the tiling).
-
-    Parameters
-    ----------
-    q : torch.Tensor
-        ``[s_q, h_q, d_qk]`` ``bfloat16``, contiguous; ``d_qk`` in {512, 576}.
-    kv : torch.Tensor
-        ``[s_kv, 1, d_qk]`` ``bfloat16``, contiguous; ``V`` is the first ``d_v`` dims.
-    indices : torch.Tensor
-        ``[s_q, 1, topk]`` ``int32``; ``-1`` and values ``>= s_kv`` are skipped.
-    sm_scale : float
-        Softmax scale applied to ``q . k``.
-    d_v : int
-        Value head dim (512).
-    attn_sink : torch.Tensor, optional
-        ``[h_q]`` ``float32``: ``out *= exp(lse) / (exp(lse) + exp(sink))``.
-    topk_length : torch.Tensor, optional
-        ``[s_q]`` ``int32``: row ``i`` uses its first ``topk_length[i]`` indices.
-    config : AttnConfig, optional
-        Launch configuration of the ``tl`` kernel, overriding
-        ``nsa_backend.configs.sparse_mla.prefill_config``. Without one, calls that
-        ``nsa_backend.kernels.sparse_mla_prefill_gluon_fewhead.supported`` accepts (sm_90, bf16, ``d_qk``
-        576, ``h_q <= 32``, when enabled) run the few-head Gluon kernel, and calls that
-        ``nsa_backend.kernels.sparse_mla_prefill_gluon.supported`` accepts (sm_90, bf16, ``d_qk`` 576,
-        ``h_q >= 17``) the 64-head Gluon kernel.
-
-    Returns
-    -------
-    tuple of torch.Tensor
-        ``out [s_q, h_q, d_v] bfloat16``, ``max_logits [s_q, h_q] float32`` (scaled logits),
-        ``lse [s_q, h_q] float32`` (natural log; ``+inf`` and ``out = 0`` for rows without a key).
-    """
-    arch = device_arch(q.device)
-    if config is None and arch is not None:
-        from nsa_backend.kernels import sparse_mla_prefill_gluon as gluon_prefill
-        from nsa_backend.kernels import sparse_mla_prefill_gluon_fewhead as gluon_fewhead
-
-        if gluon_fewhead.supported(q, kv, d_v, arch):
-            return gluon_fewhead.flash_mla_sparse_fwd_gluon_fewhead(q, kv, indices, sm_scale, d_v, attn_sink,
-                                                                    topk_length)
-        if gluon_prefill.supported(q, kv, d_v, arch):
-            return gluon_prefill.flash_mla_sparse_fwd_gluon(q, kv, indices, sm_scale, d_v, attn_sink,
-                                                            topk_length)
-    s_q, h_q, d_qk = q.shape
-    s_kv = kv.shape[0]
-    topk = indices.shape[-1]
-    out, max_logits, lse = prefill_outputs(q, d_v)
-    if s_q == 0:
-        return out, max_logits, lse
-    block_h = block_h_for(h_q, arch)
-    cfg = config or prefill_config(block_h, arch)
-    kv2 = kv.view(s_kv, d_qk)
-    idx = indices.view(s_q, topk)
-    grid = (s_q, triton.cdiv(h_q, cfg.block_h), 1)
-    _sparse_mla_fwd_kernel[grid](
-        q, kv2, idx, attn_sink, topk_length,
-        out, lse, max_logits,
-        sm_scale * LOG2E,
-        h_q, topk, s_kv, max(s_kv, 1), topk, 1,
-        q.stride(0), q.stride(1), idx.stride(0),
-        0, kv2.stride(0),
-        out.stride(0), 0, 0, out.stride(1),
-        lse.stride(0), 0, 0, lse.stride(1),
-        D_ROPE=d_qk - d_v,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        KV_FP8=False, FP8_NATIVE=fp8_native(arch), SPLIT=False,
-        IDX_AHEAD=cfg.idx_ahead,
-        **cfg.launch_options(),
-    )
-    return out, max_logits, lse

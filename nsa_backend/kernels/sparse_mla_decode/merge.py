@@ -1,0 +1,118 @@
+"""The split-K merge of sparse MLA decode, shared by the ``tl`` path and the sm_90 Gluon kernels.
+
+``_sparse_mla_decode_merge_kernel`` combines the ``num_splits`` partial results of a query row:
+
+    m = max_s lse_s,  w_s = 2^(lse_s - m),  out = sum_s w_s out_s / sum_s w_s,  lse = m + log2(sum_s w_s)
+
+converts lse to natural log (``+inf`` for a row without a valid slot), applies ``attn_sink`` and
+writes ``out [B, s_q, h_q, 512]`` bf16 and ``lse [B, h_q, s_q]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_backend import envs
+from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS, merge_block_d
+from nsa_backend.kernels._arch import device_capability, device_sms
+from nsa_backend.kernels._launch import CachedLauncher
+from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_bf16
+
+try:  # grid dependency control (Triton >= 3.4 on CUDA)
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover - older Triton: plain launches
+    gdc_wait = None
+
+# Programmatic dependent launch of the split merge from this capability on (grid dependency control).
+PDL_MIN_ARCH = 90
+
+
+@triton.heuristics({"HAS_SINK": lambda args: args["sink_ptr"] is not None})
+@triton.jit(do_not_specialize=["h_q", "s_q", "num_splits"])
+def _sparse_mla_decode_merge_kernel(
+    part_o_ptr,  # [R, NS, h_q, D_V] f32
+    part_lse_ptr,  # [R, NS, h_q] f32 (base 2)
+    sink_ptr,
+    out_ptr,  # [B, s_q, h_q, D_V] bf16
+    lse_ptr,  # [B, h_q, s_q] f32
+    h_q, s_q, num_splits,
+    D_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
+    WAIT_PRIMARY: tl.constexpr,
+):
+    # grid (rows, head blocks, D_V / BLOCK_D): every program recombines BLOCK_D columns of BLOCK_H heads
+    i_r = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_d = tl.program_id(2)
+    i_b = i_r // s_q
+    i_q = i_r % s_q
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < h_q
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    if WAIT_PRIMARY:
+        # launched before the split kernel finished (programmatic dependent launch): its partials are
+        # complete and visible after this wait
+        gdc_wait()
+
+    p_lse = part_lse_ptr + i_r * num_splits * h_q + o_h
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for i_s in range(num_splits):
+        b_m = tl.maximum(b_m, tl.load(p_lse + i_s * h_q, mask=m_h, other=float("-inf")))
+    m_empty = b_m == float("-inf")
+    b_m_use = tl.where(m_empty, 0.0, b_m)
+    b_w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    p_o = part_o_ptr + (i_r * num_splits * h_q + o_h.to(tl.int64))[:, None] * D_V + o_d[None, :]
+    for i_s in range(num_splits):
+        b_w = tl.math.exp2(tl.load(p_lse + i_s * h_q, mask=m_h, other=float("-inf")) - b_m_use)
+        b_o = tl.load(p_o + i_s * h_q * D_V, mask=m_h[:, None], other=0.0)
+        b_acc += b_w[:, None] * b_o
+        b_w_sum += b_w
+    b_o = b_acc / tl.where(m_empty, 1.0, b_w_sum)[:, None]
+    b_lse2 = b_m_use + tl.math.log2(tl.where(m_empty, 1.0, b_w_sum))
+    b_lse = tl.where(m_empty, float("inf"), b_lse2 * 0.6931471805599453)
+    if HAS_SINK:
+        b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=0.0)
+        b_o = b_o * (1.0 / (1.0 + tl.exp(b_sink - tl.where(m_empty, 0.0, b_lse))))[:, None]
+    p_out = out_ptr + ((i_r * h_q + o_h.to(tl.int64)) * D_V)[:, None] + o_d[None, :]
+    tl.store(p_out, _sparse_mla_bf16(b_o), mask=m_h[:, None])
+    if i_d == 0:
+        tl.store(lse_ptr + i_b * h_q * s_q + o_h * s_q + i_q, b_lse, mask=m_h)
+
+
+# Launch reusing the compiled kernel per call signature (host time of eager decode steps).
+_launch_merge = CachedLauncher(_sparse_mla_decode_merge_kernel)
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, attn_sink: torch.Tensor | None,
+                 out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Combine the ``num_splits`` partial results of every query row into ``out`` and ``lse``.
+
+    ``part_o`` ``[R, num_splits, h_q, d_v]`` fp32 (each split normalised by its own sum),
+    ``part_lse`` ``[R, num_splits, h_q]`` fp32 (base 2, ``-inf`` for a split without a valid slot),
+    ``out`` ``[B, s_q, h_q, d_v]`` bf16 and ``lse`` ``[B, h_q, s_q]`` fp32 with ``R = B * s_q``; all
+    contiguous. The output columns are cut into slices (``configs.sparse_mla.merge_block_d``) so that few
+    rows still spread over the GPU. Called right after the kernel that wrote the partials: from sm_90 on
+    the merge is a programmatic dependent launch (``merge_pdl``), so its launch overlaps that kernel's
+    last programs.
+    """
+    R, splits, h_q, d_v = part_o.shape
+    head_blocks = triton.cdiv(h_q, MERGE_BLOCK_H)
+    block_d = merge_block_d(R * head_blocks, d_v, device_sms(part_o.device))
+    pdl = merge_pdl(part_o.device)
+    _launch_merge[(R, head_blocks, d_v // block_d)](
+        part_o, part_lse, attn_sink, out, lse, h_q, out.shape[1], splits,
+        D_V=d_v, BLOCK_H=MERGE_BLOCK_H, BLOCK_D=block_d, WAIT_PRIMARY=pdl, num_warps=MERGE_NUM_WARPS,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+
+
+def merge_pdl(device: torch.device) -> bool:
+    """Whether the split merge on ``device`` is a programmatic dependent launch: an sm_90+ GPU (its own
+    capability, whatever arch routing is forced to: the wait is an sm_90 instruction), not the interpreter,
+    and a Triton with grid dependency control."""
+    if gdc_wait is None or envs.triton_interpret():
+        return False
+    cap = device_capability(device)
+    return cap is not None and cap >= PDL_MIN_ARCH

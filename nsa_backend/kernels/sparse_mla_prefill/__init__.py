@@ -1,0 +1,104 @@
+"""Sparse MLA prefill kernels: the launcher, which picks a variant per call.
+
+Variants (one module each):
+
+- :mod:`.portable`: the ``tl`` attention tile kernel, for every architecture and the CPU interpreter (decode
+  launches it too);
+- :mod:`.sm90_gluon`: a Gluon kernel for sm_90, 64 heads per program (``h_q >= 17``);
+- :mod:`.sm90_gluon_fewhead`: a Gluon kernel for sm_90 and few heads (``h_q <= 32``);
+- :mod:`.common`: host-side pieces the variants share.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from nsa_backend.configs.sparse_mla import AttnConfig, prefill_config
+from nsa_backend.kernels._arch import device_arch
+from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon as gluon_prefill
+from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon_fewhead as gluon_fewhead
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, block_h_for, fp8_native, prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_fwd_kernel
+
+__all__ = ["flash_mla_sparse_fwd_triton"]
+
+
+def flash_mla_sparse_fwd_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    config: AttnConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton :func:`nsa_backend.flash_mla_sparse_fwd` (see :mod:`.portable` for the tiling).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[s_q, h_q, d_qk]`` ``bfloat16``, contiguous; ``d_qk`` in {512, 576}.
+    kv : torch.Tensor
+        ``[s_kv, 1, d_qk]`` ``bfloat16``, contiguous; ``V`` is the first ``d_v`` dims.
+    indices : torch.Tensor
+        ``[s_q, 1, topk]`` ``int32``; ``-1`` and values ``>= s_kv`` are skipped.
+    sm_scale : float
+        Softmax scale applied to ``q . k``.
+    d_v : int
+        Value head dim (512).
+    attn_sink : torch.Tensor, optional
+        ``[h_q]`` ``float32``: ``out *= exp(lse) / (exp(lse) + exp(sink))``.
+    topk_length : torch.Tensor, optional
+        ``[s_q]`` ``int32``: row ``i`` uses its first ``topk_length[i]`` indices.
+    config : AttnConfig, optional
+        Launch configuration of the ``tl`` kernel, overriding
+        ``nsa_backend.configs.sparse_mla.prefill_config``. Without one, calls that
+        ``nsa_backend.kernels.sparse_mla_prefill.sm90_gluon_fewhead.supported`` accepts (sm_90, bf16, ``d_qk``
+        576, ``h_q <= 32``, when enabled) run the few-head Gluon kernel, and calls that
+        ``nsa_backend.kernels.sparse_mla_prefill.sm90_gluon.supported`` accepts (sm_90, bf16, ``d_qk`` 576,
+        ``h_q >= 17``) the 64-head Gluon kernel.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``out [s_q, h_q, d_v] bfloat16``, ``max_logits [s_q, h_q] float32`` (scaled logits),
+        ``lse [s_q, h_q] float32`` (natural log; ``+inf`` and ``out = 0`` for rows without a key).
+    """
+    arch = device_arch(q.device)
+    if config is None and arch is not None:
+        if gluon_fewhead.supported(q, kv, d_v, arch):
+            return gluon_fewhead.flash_mla_sparse_fwd_gluon_fewhead(q, kv, indices, sm_scale, d_v, attn_sink,
+                                                                    topk_length)
+        if gluon_prefill.supported(q, kv, d_v, arch):
+            return gluon_prefill.flash_mla_sparse_fwd_gluon(q, kv, indices, sm_scale, d_v, attn_sink,
+                                                            topk_length)
+    s_q, h_q, d_qk = q.shape
+    s_kv = kv.shape[0]
+    topk = indices.shape[-1]
+    out, max_logits, lse = prefill_outputs(q, d_v)
+    if s_q == 0:
+        return out, max_logits, lse
+    block_h = block_h_for(h_q, arch)
+    cfg = config or prefill_config(block_h, arch)
+    kv2 = kv.view(s_kv, d_qk)
+    idx = indices.view(s_q, topk)
+    grid = (s_q, triton.cdiv(h_q, cfg.block_h), 1)
+    _sparse_mla_fwd_kernel[grid](
+        q, kv2, idx, attn_sink, topk_length,
+        out, lse, max_logits,
+        sm_scale * LOG2E,
+        h_q, topk, s_kv, max(s_kv, 1), topk, 1,
+        q.stride(0), q.stride(1), idx.stride(0),
+        0, kv2.stride(0),
+        out.stride(0), 0, 0, out.stride(1),
+        lse.stride(0), 0, 0, lse.stride(1),
+        D_ROPE=d_qk - d_v,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        KV_FP8=False, FP8_NATIVE=fp8_native(arch), SPLIT=False,
+        IDX_AHEAD=cfg.idx_ahead,
+        **cfg.launch_options(),
+    )
+    return out, max_logits, lse
