@@ -17,7 +17,6 @@ interpreter and Triton's launch hooks (profilers) take Triton's own path.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +26,8 @@ from triton.runtime.autotuner import Heuristics
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-FAST_LAUNCH_ENV = "NSA_BACKEND_FAST_LAUNCH"
+from nsa_backend import envs
+
 # Signatures kept per kernel; beyond this the cache starts over (shapes of a served model are few).
 MAX_SIGNATURES = 512
 _UNCACHEABLE = object()
@@ -48,7 +48,7 @@ def _arg_key(arg: Any) -> Any:
 
 
 def _enabled() -> bool:
-    return (os.environ.get(FAST_LAUNCH_ENV, "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") in ("0", "")
+    return (envs.get(envs.FAST_LAUNCH, "1") != "0" and not envs.triton_interpret()
             and knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None)
 
 
