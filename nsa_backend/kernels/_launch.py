@@ -47,9 +47,14 @@ def _arg_key(arg: Any) -> Any:
     return _UNCACHEABLE
 
 
+def _no_hook(hook: Any) -> bool:
+    # Triton < 3.5 keeps None when no hook is set, later versions an empty HookChain (its `calls`)
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
+
+
 def _enabled() -> bool:
     return (envs.get(envs.FAST_LAUNCH, "1") != "0" and not envs.triton_interpret()
-            and knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None)
+            and _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook))
 
 
 class CachedLauncher:
