@@ -61,7 +61,7 @@ def test_tail_binds_keywords_defaults_and_heuristics_in_parameter_order(tmp_path
 
 
 @pytest.mark.gpu
-def test_cached_launches_equal_tritons_own():
+def test_cached_launches_equal_tritons_own(monkeypatch):
     import triton
     import triton.language as tl
 
@@ -77,6 +77,7 @@ def test_cached_launches_equal_tritons_own():
             x += tl.load(b_ptr + offs, mask=m, other=0.0)
         tl.store(out_ptr + offs, x, mask=m)
 
+    monkeypatch.setenv("NSA_BACKEND_FAST_LAUNCH", "1")
     launcher = CachedLauncher(axpy)
     buf = torch.randn(4096, device="cuda")
     other = torch.randn(4096, device="cuda")
