@@ -52,6 +52,7 @@ from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLABackend
 
 import nsa_backend
 from nsa_backend.routing import capabilities as caps
+from nsa_backend_integrations.vllm import dsv4_indexer
 from nsa_backend_integrations.vllm.config import VllmSettings
 from nsa_backend_integrations.vllm.plugin import CUSTOM_BACKEND_PATH, DSV4_MODEL_MODULE, TAKEOVER_BACKEND_PATHS
 
@@ -195,6 +196,9 @@ def _selector(original: Callable[[Any], type], settings: VllmSettings | None,
         cls, why = select_attention(vllm_config, original, settings, arch())
         if cls is NsaDeepseekV4Attention:
             logger.info("nsa-backend: DeepSeek-V4 attention on nsa-backend (%s)", why)
+            # The C4A indexer's MXFP4 logits follow the attention: DeepGEMM's fp4 kernels miss SM8x and
+            # most head counts on SM120.
+            dsv4_indexer.install()
         return cls
 
     select.nsa_backend_original = original  # type: ignore[attr-defined]
