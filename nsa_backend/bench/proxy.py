@@ -15,8 +15,8 @@ sm_100) GPU, ``nsa-backend bench --proxy sm120``
   (:mod:`nsa_backend.bench.triton_matmul`) instead of cuBLAS, so ``of_bf16_mm`` / ``of_fp8_mm`` are
   fractions of what mma.sync reaches on this GPU.
 
-What the proxy does not model: SM120's own memory bandwidth and clocks (the H200's HBM is several
-times faster than GDDR7), and instruction rates that differ between the chips. Ratios against the
+What the proxy does not model: the proxied chip's memory bandwidth and clocks (an H200 reads 4.8 TB/s,
+an RTX 5090 1.8 TB/s) and instruction rates that differ between the chips. Ratios against the
 same-run limits are the comparable figures, not the milliseconds.
 """
 
