@@ -87,7 +87,9 @@ class CachedLauncher:
         self._arg_names = [name for name, _ in self._params]
         self._plans: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
 
-    def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
+    def __getitem__(self, grid: Sequence[int]) -> Callable[..., Any]:
+        if not (self._jit and _enabled()):  # the default: Triton's own launch, nothing in between
+            return self.kernel[grid]
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -102,7 +104,7 @@ class CachedLauncher:
                 self._plans[key] = (compiled, self._tail(args, kwargs))
             return
         compiled, tail = plan
-        device = torch.cuda.current_device()
+        device = key[0]
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,

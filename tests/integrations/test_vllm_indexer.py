@@ -8,7 +8,6 @@ Reference: index scores written out in this file from the cache bytes
 from __future__ import annotations
 
 import inspect
-import socket
 import sys
 
 import pytest
@@ -29,12 +28,6 @@ INDEX_HEADS = 8
 TOPK = 16
 NUM_BLOCKS = 24
 PREFIX = "model.layers.1.self_attn.indexer"
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory):
@@ -61,7 +54,7 @@ def dsa_indexer(vllm_config):
             rank=0,
             local_rank=0,
             backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{vf.free_port()}",
         )
         initialize_model_parallel(1, 1)
         from vllm.models.deepseek_v32.attention import DeepseekV32Indexer

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import socket
 import sys
 
 import pytest
@@ -72,12 +71,6 @@ REGISTRATIONS = {
     "custom": ("CUSTOM", "fp8_ds_mla", "fp8_ds_mla"),
     "takeover": ("FLASHMLA_SPARSE", "fp8", "fp8_ds_mla"),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +133,7 @@ def vllm_on_cpu(model_dir):
                     rank=0,
                     local_rank=0,
                     backend="gloo",
-                    distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                    distributed_init_method=f"tcp://127.0.0.1:{vf.free_port()}",
                 )
                 initialize_model_parallel(1, 1)
         try:

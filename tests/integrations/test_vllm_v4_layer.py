@@ -27,7 +27,6 @@ must agree within 1.5% of the largest output magnitude (plus 2% relative).
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
@@ -50,12 +49,6 @@ SCENARIO = {
     "mixed": [("B", 1), ("A", 6)],   # a decode and a chunked prefill in one batch
 }
 SELECTIONS = {"custom": ("CUSTOM", "off"), "takeover": (None, "auto")}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +95,7 @@ def vllm_on_cpu(model_dir):
     if own:
         with set_current_vllm_config(ls.make_vllm_config(model_dir)):
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                         distributed_init_method=f"tcp://127.0.0.1:{vf.free_port()}")
             initialize_model_parallel(1, 1)
     try:
         yield plugin, dsv4

@@ -8,6 +8,7 @@ that call them skip themselves where vLLM is not installed.
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 # DeepSeek-V3.2's DSA fields (GLM-5 uses the same ones) on a model small enough for the CPU.
@@ -45,6 +46,13 @@ DSA_CONFIG: dict[str, Any] = {
     "routed_scaling_factor": 1.0,
     "norm_topk_prob": True,
 }
+
+
+def free_port() -> int:
+    """A free local TCP port (for ``distributed_init_method``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def dsa_model_config(**overrides: Any) -> dict[str, Any]:

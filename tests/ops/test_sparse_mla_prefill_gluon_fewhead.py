@@ -144,14 +144,14 @@ def test_fewhead_prefill_bench_shape_matches_tl():
     agree."""
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
-    from nsa_backend.configs.sparse_mla import prefill_config
-    from nsa_backend.kernels.sparse_mla_prefill import block_h_for, flash_mla_sparse_fwd_triton
+    from nsa_backend.configs.sparse_mla import heads_per_program, prefill_config
+    from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
     from nsa_backend.kernels.sparse_mla_prefill.sm90_gluon_fewhead import flash_mla_sparse_fwd_gluon_fewhead
 
     for h_q in (16, 32):
         a = prefill_case(16, h_q, 576, 32768, 2048, 0.0, False, False, seed=h_q)
         err = _run(a, f"bench slice h_q={h_q}")
-        out_tl, mx_tl, lse_tl = flash_mla_sparse_fwd_triton(**a, config=prefill_config(block_h_for(h_q), 90))
+        out_tl, mx_tl, lse_tl = flash_mla_sparse_fwd_triton(**a, config=prefill_config(heads_per_program(h_q, 90), 90))
         out_g, mx_g, lse_g = flash_mla_sparse_fwd_gluon_fewhead(**a)
         assert (out_g.float() - out_tl.float()).abs().max().item() <= 4 * max(err, 2**-8)
         _check_stat("lse", lse_g, lse_tl, "few-head vs tl")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from nsa_backend.configs.sparse_mla import AttnConfig, decode_config, decode_num_splits, split_keys
+from nsa_backend.configs.sparse_mla import AttnConfig, decode_config, decode_num_splits, heads_per_program, split_keys
 from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._gluon import gluon_enabled
 from nsa_backend.kernels._launch import CachedLauncher
@@ -45,7 +45,7 @@ from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import (
 )
 from nsa_backend.kernels.sparse_mla_decode.sm90_gluon_ws import sparse_mla_decode_gluon_ws
 from nsa_backend.kernels.sparse_mla_decode.v4 import sparse_mla_v4_decode_triton
-from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, block_h_for, fp8_native
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, fp8_native
 from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_fwd_kernel
 from nsa_backend.reference import DS_MLA_TOKEN_BYTES
 
@@ -71,7 +71,7 @@ def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: t
                 num_splits: int | None = None) -> tuple[AttnConfig, int, int]:
     """``(config, num_splits, keys_per_split)`` for a decode call (shapes and device only)."""
     arch = device_arch(device)
-    cfg = config or decode_config(block_h_for(h_q, arch), arch, kv_format == "fp8_ds_mla")
+    cfg = config or decode_config(heads_per_program(h_q, arch), arch, kv_format == "fp8_ds_mla")
     head_blocks = triton.cdiv(h_q, cfg.block_h)
     if num_splits is None:
         sms = device_sms(device, FALLBACK_NUM_SMS)

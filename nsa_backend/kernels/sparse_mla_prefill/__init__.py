@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import triton
 
-from nsa_backend.configs.sparse_mla import AttnConfig, prefill_config
+from nsa_backend.configs.sparse_mla import AttnConfig, heads_per_program, prefill_config
 from nsa_backend.kernels._arch import device_arch
 from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon as gluon_prefill
 from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon_fewhead as gluon_fewhead
-from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, block_h_for, fp8_native, prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, fp8_native, prefill_outputs
 from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_fwd_kernel
 
 __all__ = ["flash_mla_sparse_fwd_triton"]
@@ -81,7 +81,7 @@ def flash_mla_sparse_fwd_triton(
     out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
         return out, max_logits, lse
-    block_h = block_h_for(h_q, arch)
+    block_h = heads_per_program(h_q, arch)
     cfg = config or prefill_config(block_h, arch)
     kv2 = kv.view(s_kv, d_qk)
     idx = indices.view(s_q, topk)

@@ -1,11 +1,10 @@
-"""Host-side pieces shared by the sparse MLA prefill variants (and decode): constants, output buffers,
-the head blocking and the e4m3 decoding switch."""
+"""Host-side pieces shared by the sparse MLA prefill variants (and decode): constants, output buffers
+and the e4m3 decoding switch (heads per program: :func:`nsa_backend.configs.sparse_mla.heads_per_program`)."""
 
 from __future__ import annotations
 
 import torch
 
-from nsa_backend.configs.sparse_mla import heads_per_program
 from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH
 
 LOG2E = 1.4426950408889634
@@ -26,8 +25,3 @@ def prefill_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tens
     lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     return out, max_logits, lse
 
-
-def block_h_for(h_q: int, arch: int | None = 90) -> int:
-    """Heads per program on ``sm_<arch>``: the next power of two of ``h_q`` in [16, 64], at most 32 on the
-    99 KiB parts (:func:`nsa_backend.configs.sparse_mla.heads_per_program`)."""
-    return heads_per_program(h_q, arch)
