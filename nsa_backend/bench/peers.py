@@ -13,7 +13,8 @@ interpreter):
   {64, 128}, a 128-token sliding window in the SWA cache (page 256) plus ``topk = 512`` slots of the
   compressed (``extra``) cache (page 64, ``context / 4`` tokens per request), ``context`` in
   {8K, 16K, 32K, 64K}. Ours: ``sparse_mla_decode(kv_format="fp8_ds_mla_v4", impl="triton")``; peers
-  ``sglang_sm120_triton`` and ``sglang_sm120_torch``; all timed as CUDA-graph replays (``*-graph``),
+  ``sglang_sm120_triton`` and ``sglang_sm120_torch``, and FlashMLA (``flash_mla``, our native route) where
+  the GPU and the installed package serve it (not under the proxy); all timed as CUDA-graph replays (``*-graph``),
   how servers run decode. Bytes: the gathered tokens, ``q`` and ``out``.
 - ``sparse_mla_decode`` over the 656-byte DeepSeek-V3.2 cache: no peer exists in the sglang package
   (SGLang decodes it on SM120 with FlashInfer's CUTLASS kernel); one note row says so.
@@ -208,11 +209,26 @@ def v4_decode_inputs(B: int, h_q: int, context: int, window: int, topk: int, dev
                 extra_topk_length=torch.full((B,), topk, dtype=torch.int32, device=device), sm_scale=512 ** -0.5)
 
 
-def _ours_v4(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _ours_v4(a: dict[str, Any], impl: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
     return nb.sparse_mla_decode(a["q"], a["kv_cache"], a["indices"], a["sm_scale"], 512, "fp8_ds_mla_v4", None,
                                 a["topk_length"], extra_kv_cache=a["extra_kv_cache"],
                                 extra_indices=a["extra_indices"], extra_topk_length=a["extra_topk_length"],
-                                impl="triton")
+                                impl=impl)
+
+
+def _flash_mla_v4_row(a: dict[str, Any], shape: dict[str, Any], want: tuple[torch.Tensor, torch.Tensor],
+                      graph: bool, flops: float, nbytes: float) -> Row:
+    """FlashMLA's DeepSeek-V4 decode through our native route (``impl="flash_mla"``) on the same inputs,
+    where the GPU and the installed package serve it (natively, not under the proxy)."""
+    try:
+        nb.sparse_mla_decode(a["q"][:1], a["kv_cache"], a["indices"][:1], a["sm_scale"], 512, "fp8_ds_mla_v4",
+                             None, a["topk_length"][:1], extra_kv_cache=a["extra_kv_cache"],
+                             extra_indices=a["extra_indices"][:1], extra_topk_length=a["extra_topk_length"][:1],
+                             impl="flash_mla")
+    except (ValueError, ImportError, RuntimeError) as exc:
+        return _row("sparse_mla_decode", shape, "flash_mla", None, note=f"skipped: {str(exc)[:200]}")
+    return _peer_row("sparse_mla_decode", shape, "flash_mla", "FlashMLA (nsa-backend's native route)",
+                     lambda: _ours_v4(a, "flash_mla"), lambda got: compare_decode(got, want), graph, flops, nbytes)
 
 
 def bench_v4_decode(tree: sg.SglangTree, B: int, h_q: int, context: int, window: int, topk: int,
@@ -229,6 +245,7 @@ def bench_v4_decode(tree: sg.SglangTree, B: int, h_q: int, context: int, window:
     rows = [_row("sparse_mla_decode", shape, "triton-graph" if graph else "triton", ms, flops, nbytes, note=note)]
     args = (a["q"], a["kv_cache"], a["indices"], a["topk_length"], a["extra_kv_cache"], a["extra_indices"],
             a["extra_topk_length"], a["sm_scale"])
+    rows.append(_flash_mla_v4_row(a, shape, want, graph, flops, nbytes))
     for impl, loader in (("sglang_sm120_triton", sg.v4_decode_triton), ("sglang_sm120_torch", sg.v4_decode_torch)):
         source = sg.PEERS[("sparse_mla_decode", impl)]
         fn, why = _load(lambda loader=loader: loader(tree))

@@ -8,8 +8,10 @@ Argument translation only:
   the 656-byte ``fp8_ds_mla`` cache) in its legacy kernels, reached with ``use_legacy=True``; its
   current kernels serve d_qk 512 on SM100. Upstream FlashMLA has no such argument and serves both.
 - DeepSeek-V4 decode (``kv_format="fp8_ds_mla_v4"``, the 584-byte cache, d_qk 512): the same sparse call
-  with ``extra_k_cache`` / ``extra_indices_in_kvcache`` for the second key list, whose indices get the same
-  treatment as the main ones (``extra_topk_length`` applied here, slots outside the extra cache -1).
+  (in ``sgl-flash-mla``, its legacy kernels with ``kv_format="V4"``; its current ones read DeepSeek-V4.1's
+  528-byte rows only) with ``extra_k_cache`` / ``extra_indices_in_kvcache`` for the second key list,
+  whose indices get the same treatment as the main ones (``extra_topk_length`` applied here, slots
+  outside the extra cache -1).
 - Top-k width: the kernels work in blocks of 64 (decode) / 128 (prefill) indices; other widths are
   padded with ``-1``.
 - Indices (prefill and decode): FlashMLA treats only ``-1`` as invalid and does not bound-check, so
@@ -60,6 +62,14 @@ def _module() -> ModuleType:
 def _has_use_legacy(func_name: str) -> bool:
     try:
         return "use_legacy" in inspect.signature(getattr(_module(), func_name)).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@functools.cache
+def _has_kv_format(func_name: str) -> bool:
+    try:
+        return "kv_format" in inspect.signature(getattr(_module(), func_name)).parameters
     except (TypeError, ValueError):
         return False
 
@@ -189,8 +199,11 @@ def sparse_mla_decode(
     q = _pad_dim(q, 2, target)
     if attn_sink is not None:
         attn_sink = _pad_dim(attn_sink, 0, target)
-    # The V4 cache is served by FlashMLA's current kernels only (sgl-flash-mla's legacy ones are V3.2's).
-    kwargs = {} if v4 else legacy_kwargs("flash_mla_with_kvcache", d_qk, q.device, fp8_cache=True)
+    # Both caches are legacy formats in sgl-flash-mla (its current kernels read V4.1's 528-byte rows only).
+    kwargs = legacy_kwargs("flash_mla_with_kvcache", d_qk, q.device, fp8_cache=True)
+    if v4 and kwargs and _has_kv_format("flash_mla_with_kvcache"):
+        # Named rather than detected from the row size, so a layout mix-up is FlashMLA's error, not a wrong read.
+        kwargs["kv_format"] = "V4"
     extra_kwargs: dict[str, Any] = {}
     if extra_cache is not None:
         extra_kwargs = {"extra_k_cache": extra_cache, "extra_indices_in_kvcache": extra_indices,

@@ -280,6 +280,8 @@ def test_aot_compile_all_archs():
 
 FUZZ_HEADS = (1, 8, 24, 32, 64, 128)
 FUZZ_CASES = int(os.environ.get("NSA_FUZZ_CASES", "300"))
+# Each GPU fuzz runs as shards of its cases (case % FUZZ_SHARDS), so pytest-xdist spreads them.
+FUZZ_SHARDS = 6
 
 
 @pytest.mark.gpu
@@ -304,7 +306,8 @@ def test_fuzz_fp8_mqa_logits_gpu():
 
 
 @pytest.mark.gpu
-def test_fuzz_fp8_paged_mqa_logits_gpu():
+@pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
+def test_fuzz_fp8_paged_mqa_logits_gpu(shard):
     rng = random.Random(99)
     for case in range(FUZZ_CASES):
         H = rng.choice(FUZZ_HEADS)
@@ -320,12 +323,15 @@ def test_fuzz_fp8_paged_mqa_logits_gpu():
             lens = lens[:B]
         ctx_2d = rng.random() < 0.5
         pad = rng.choice([0, 0, 16, 64])
-        q, cache, w, ctx, table, max_len = _paged_inputs(B, next_n, H, D, page, lens, ctx_2d, "cuda", pad)
         num_sms = rng.choice([1, 7, 132])
+        extra_ctx = rng.choice([0, 1, 100])
+        if case % FUZZ_SHARDS != shard:
+            continue
+        q, cache, w, ctx, table, max_len = _paged_inputs(B, next_n, H, D, page, lens, ctx_2d, "cuda", pad)
         meta = nb.get_paged_mqa_logits_metadata(ctx, page, num_sms, impl="triton")
         want_meta = ref.get_paged_mqa_logits_metadata(ctx, page, num_sms)
         assert torch.equal(meta, want_meta), f"case {case}: metadata"
-        max_ctx = max_len + rng.choice([0, 1, 100])
+        max_ctx = max_len + extra_ctx
         want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx)
         out = nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx, impl="triton")
         _assert_logits(out, want, what=f"case {case}: B={B} next_n={next_n} H={H} D={D} page={page} "
@@ -333,14 +339,19 @@ def test_fuzz_fp8_paged_mqa_logits_gpu():
 
 
 @pytest.mark.gpu
-def test_fuzz_paged_metadata_gpu():
+@pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
+def test_fuzz_paged_metadata_gpu(shard):
     rng = random.Random(7)
     for case in range(FUZZ_CASES):
         B = rng.randint(0, 2000)
         next_n = rng.randint(1, 4)
-        lens = torch.randint(0, rng.choice([1, 300, 70000]), (B, next_n), dtype=torch.int32, device="cuda")
-        ctx = lens if rng.random() < 0.5 else lens[:, 0].contiguous()
+        high = rng.choice([1, 300, 70000])
+        two_d = rng.random() < 0.5
         num_sms = rng.choice([1, 2, 78, 132, 148, 170])
+        if case % FUZZ_SHARDS != shard:
+            continue
+        lens = torch.randint(0, high, (B, next_n), dtype=torch.int32, device="cuda")
+        ctx = lens if two_d else lens[:, 0].contiguous()
         out = nb.get_paged_mqa_logits_metadata(ctx, 64, num_sms, impl="triton")
         assert torch.equal(out, ref.get_paged_mqa_logits_metadata(ctx, 64, num_sms)), f"case {case}: B={B}"
 

@@ -364,6 +364,8 @@ def test_aot_compile_all_archs():
 
 FUZZ_CASES = int(os.environ.get("NSA_FUZZ_CASES", "300"))
 FUZZ_HEADS = (1, 7, 8, 24, 32, 64, 100, 128)
+# Each GPU fuzz runs as shards of its cases (case % FUZZ_SHARDS), so pytest-xdist spreads them.
+FUZZ_SHARDS = 6
 
 
 @pytest.mark.gpu
@@ -384,9 +386,10 @@ def test_fuzz_fp8_fp4_mqa_logits_gpu():
 
 
 @pytest.mark.gpu
-def test_fuzz_fp8_fp4_paged_mqa_logits_gpu():
+@pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
+def test_fuzz_fp8_fp4_paged_mqa_logits_gpu(shard):
     rng = random.Random(5)
-    torch.manual_seed(5)
+    torch.manual_seed(5 + shard)
     for case in range(FUZZ_CASES):
         H = rng.choice(FUZZ_HEADS)
         next_n = rng.randint(1, 4)
@@ -396,9 +399,12 @@ def test_fuzz_fp8_fp4_paged_mqa_logits_gpu():
         ctx_2d = rng.random() < 0.5
         q_fp4 = rng.random() < 0.5
         pad = rng.choice([0, 0, 4, 128])
+        extra_ctx = rng.randint(0, 70)
+        if case % FUZZ_SHARDS != shard:
+            continue
         q, qs, cache, w, ctx, table, max_len = _paged(B, next_n, H, page, lens, ctx_2d, q_fp4, "cuda", pad)
         meta = nb.get_paged_mqa_logits_metadata(ctx, page, 132)
-        args = (_qarg(q, qs), cache, w, ctx, table, meta, max_len + rng.randint(0, 70))
+        args = (_qarg(q, qs), cache, w, ctx, table, meta, max_len + extra_ctx)
         _assert_logits(nb.fp8_fp4_paged_mqa_logits(*args, impl="triton"),
                        nb.fp8_fp4_paged_mqa_logits(*args, impl="reference"),
                        f"case {case}: B={B} next_n={next_n} H={H} page={page} q_fp4={q_fp4}")

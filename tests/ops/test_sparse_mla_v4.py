@@ -253,6 +253,8 @@ def test_native_decode_kernels_outside_their_v4_support_refuse():
 # ----------------------------------------------------------------------------------------------
 
 FUZZ_CASES = int(os.environ.get("NSA_FUZZ_CASES", "300"))
+# The GPU fuzz runs as shards of the cases, so pytest-xdist spreads them.
+FUZZ_SHARDS = 6
 FUZZ_TOPK = (1, 7, 64, 100, 128, 333, 512, 1000, 1024, 1152, 2048)
 FUZZ_EXTRA_TOPK = (1, 64, 128, 129, 200)
 
@@ -341,9 +343,9 @@ def rng_pad(c: FuzzCase) -> int:
     return (0, 40, 584)[c.seed % 3]
 
 
-def _fuzz_check(c: FuzzCase, device: str) -> None:
+def _fuzz_check(c: FuzzCase, device: str, impl: str = "triton") -> None:
     q, main, idx, kw = fuzz_inputs(c, device)
-    out, lse = nb.sparse_mla_decode(q, main, idx, c.sm_scale, impl="triton", **kw)
+    out, lse = nb.sparse_mla_decode(q, main, idx, c.sm_scale, impl=impl, **kw)
     q, main, idx, kw = fuzz_inputs(c, "cpu")
     want_out, want_lse = nb.sparse_mla_decode(q, main, idx, c.sm_scale, impl="reference", **kw)
     torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=1.6e-2, rtol=1.6e-2, msg=c.describe())
@@ -376,6 +378,17 @@ def test_fuzz_case_runs_in_the_interpreter():
 
 
 @pytest.mark.gpu
-def test_fuzz_sparse_mla_v4_decode_gpu():
-    for c in fuzz_cases():
+@pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
+def test_fuzz_sparse_mla_v4_decode_gpu(shard):
+    for c in fuzz_cases()[shard::FUZZ_SHARDS]:
         _fuzz_check(c, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
+def test_fuzz_flash_mla_v4_decode_gpu(shard):
+    """FlashMLA's DeepSeek-V4 decode through our native route (heads padded to 64 / 128, lists cut to their
+    lengths) against the reference on the same fuzz cases, where the GPU and the installed package serve it."""
+    pytest.importorskip("flash_mla")
+    for c in fuzz_cases()[shard::FUZZ_SHARDS]:
+        _fuzz_check(c, "cuda", impl="flash_mla")

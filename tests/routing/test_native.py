@@ -499,19 +499,36 @@ def _v4_cache(num_blocks: int, page: int, gen: torch.Generator) -> torch.Tensor:
     return cache
 
 
-def _make_flash_mla_v4() -> types.ModuleType:
-    """FlashMLA's ``flash_mla_with_kvcache`` with the DeepSeek-V4 arguments, as vLLM 0.34 bundles it."""
+def _make_flash_mla_v4(legacy: bool = False) -> types.ModuleType:
+    """FlashMLA's ``flash_mla_with_kvcache`` with the DeepSeek-V4 arguments, as vLLM 0.34 bundles it, or
+    (``legacy``) as sgl-flash-mla ships it: ``use_legacy`` / ``kv_format``, its current kernels V4.1's only."""
     mod = types.ModuleType("flash_mla")
     mod.__version__ = "1.0.0"
     mod.calls = []
 
-    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
-                               indices=None, attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None,
-                               topk_length=None, extra_topk_length=None, out=None, enable_batch_invariant=False):
+    def upstream(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                 num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+                 indices=None, attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None,
+                 topk_length=None, extra_topk_length=None, out=None, enable_batch_invariant=False):
+        return run(q, k_cache, block_table, cache_seqlens, head_dim_v, num_splits, softmax_scale, causal,
+                   is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
+                   extra_topk_length, {})
+
+    def sgl(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits=None,
+            softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None, attn_sink=None, extra_k_cache=None,
+            extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None, enable_batch_invariant=False,
+            use_legacy=False, kv_format=None, descale_q=None, descale_k=None):
+        assert use_legacy, "sgl-flash-mla's current kernels read V4.1's 528-byte rows only"
+        return run(q, k_cache, block_table, cache_seqlens, head_dim_v, num_splits, softmax_scale, causal,
+                   is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
+                   extra_topk_length, {"use_legacy": use_legacy, "kv_format": kv_format})
+
+    def run(q, k_cache, block_table, cache_seqlens, head_dim_v, num_splits, softmax_scale, causal,
+            is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
+            extra_topk_length, flags):
         assert block_table is None and cache_seqlens is None and num_splits is None and not causal
         assert is_fp8_kvcache and k_cache.dim() == 4 and k_cache.shape[-1] == 584
-        mod.calls.append({"heads": q.shape[2], "indices": indices.clone(), "topk_length": topk_length,
+        mod.calls.append({"heads": q.shape[2], "indices": indices.clone(), "topk_length": topk_length, **flags,
                           "extra_cache": extra_k_cache, "extra_topk_length": extra_topk_length,
                           "extra_indices": None if extra_indices_in_kvcache is None
                           else extra_indices_in_kvcache.clone()})
@@ -519,19 +536,21 @@ def _make_flash_mla_v4() -> types.ModuleType:
                                            attn_sink, topk_length, None, extra_k_cache, extra_indices_in_kvcache,
                                            extra_topk_length)
 
-    mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    mod.flash_mla_with_kvcache = sgl if legacy else upstream
     mod.get_mla_metadata = lambda *args, **kwargs: (types.SimpleNamespace(), None)
     return mod
 
 
-@pytest.mark.parametrize("extra", [False, True])
-def test_flash_mla_v4_decode_translation(monkeypatch, on_arch, extra):
+@pytest.mark.parametrize(("extra", "legacy"), [(False, False), (True, False), (True, True)])
+def test_flash_mla_v4_decode_translation(monkeypatch, on_arch, extra, legacy):
     """The V4 decode reaches FlashMLA with the extra cache and list, heads padded to 64, both lists cut to
-    their lengths and bounds as -1 in blocks of 64, and matches the reference on the real heads."""
-    mod = _make_flash_mla_v4()
+    their lengths and bounds as -1 in blocks of 64, and matches the reference on the real heads. In
+    sgl-flash-mla it takes the legacy kernels with the format named."""
+    mod = _make_flash_mla_v4(legacy)
     _install(monkeypatch, "flash_mla", mod, "1.0.0")
     fm_wrap._module.cache_clear()
     fm_wrap._has_use_legacy.cache_clear()
+    fm_wrap._has_kv_format.cache_clear()
     fm_wrap.clear_decode_schedules()
     on_arch("sm90")
     gen = torch.Generator().manual_seed(3)
@@ -552,6 +571,7 @@ def test_flash_mla_v4_decode_translation(monkeypatch, on_arch, extra):
     assert torch.allclose(out.float(), ref_out.float(), atol=1e-2) and torch.allclose(lse, ref_lse, atol=1e-4)
     call = mod.calls[-1]
     assert call["heads"] == 64 and call["topk_length"] is None and call["extra_topk_length"] is None
+    assert (call.get("use_legacy"), call.get("kv_format")) == ((True, "V4") if legacy else (None, None))
     assert call["indices"].shape[-1] == 64 and int(call["indices"].max()) < 128
     assert (call["indices"][1, 0, 17:] == -1).all()
     if extra:
@@ -561,6 +581,8 @@ def test_flash_mla_v4_decode_translation(monkeypatch, on_arch, extra):
     else:
         assert call["extra_cache"] is None and call["extra_indices"] is None
     fm_wrap._module.cache_clear()
+    fm_wrap._has_use_legacy.cache_clear()
+    fm_wrap._has_kv_format.cache_clear()
     fm_wrap.clear_decode_schedules()
 
 
