@@ -21,6 +21,6 @@ path. The runner (:mod:`nsa_backend.bench.runner`) does the rest: limits, ratios
 
 from __future__ import annotations
 
-FAMILIES: tuple[str, ...] = ("indexer", "topk", "sparse_mla", "mhc", "eager", "peers")
+FAMILIES: tuple[str, ...] = ("indexer", "topk", "sparse_mla", "mhc", "v4", "eager", "peers")
 
 __all__ = ["FAMILIES"]

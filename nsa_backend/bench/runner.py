@@ -55,7 +55,10 @@ _BENCH_FAMILY_OF_ROUTE: dict[str | None, str] = {
     "decode": "sparse_mla",
     "hc_prenorm": "mhc",
 }
-OP_FAMILY: dict[str, str] = {op: _BENCH_FAMILY_OF_ROUTE[route] for op, route in ROUTE_FAMILY.items()}
+# DeepSeek-V4's MXFP4 indexer and cache write have a family of their own (the V4 decode is in "peers").
+_V4_OPS: tuple[str, ...] = ("fp8_fp4_paged_mqa_logits", "fp8_fp4_mqa_logits", "write_fp8_ds_mla_v4_cache")
+OP_FAMILY: dict[str, str] = {op: "v4" if op in _V4_OPS else _BENCH_FAMILY_OF_ROUTE[route]
+                             for op, route in ROUTE_FAMILY.items()}
 
 # The hardware limits that bound each op; a row may name its own with the key "limit".
 # Ops not listed get a ratio against every limit its row has a rate for.
@@ -71,6 +74,9 @@ OP_LIMITS: dict[str, tuple[str, ...]] = {
     "pack_fp8_ds_mla": ("copy_gbps",),
     "unpack_fp8_ds_mla": ("copy_gbps",),
     "write_fp8_ds_mla_cache": ("copy_gbps",),
+    "fp8_fp4_mqa_logits": ("fp8_tflops",),
+    "fp8_fp4_paged_mqa_logits": ("copy_gbps",),
+    "write_fp8_ds_mla_v4_cache": ("copy_gbps",),
     "tf32_hc_prenorm_gemm": ("copy_gbps",),
 }
 

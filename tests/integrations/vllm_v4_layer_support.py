@@ -279,3 +279,158 @@ def read_cache(engine: LayerEngine, r: int) -> torch.Tensor:
         rope = data[448:576].clone().view(torch.bfloat16).float()
         rows.append(torch.cat([nope.view(-1), rope]))
     return torch.stack(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressed layers (C4A, C128A)
+# ---------------------------------------------------------------------------------------------
+
+COMPRESSED_BLOCK = 256   # vLLM's DeepSeek-V4 kernel block: 256 tokens, 256 / ratio compressed rows
+COMPRESSED_NUM_BLOCKS = 4
+C4_TOPK = 4
+COMPRESSED_PREFIX = {4: "model.layers.0.attn", 128: "model.layers.1.attn"}
+
+COMPRESSED_CONFIG: dict[str, Any] = {
+    **LAYER_CONFIG,
+    "num_hidden_layers": 3,
+    "index_topk": C4_TOPK,
+    "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+}
+
+
+def make_compressed_vllm_config(model: str, backend: str | None = None) -> Any:
+    """:func:`make_vllm_config` with vLLM's DeepSeek-V4 block size (256 tokens) for the compressed caches."""
+    config = make_vllm_config(model, backend)
+    config.cache_config.block_size = COMPRESSED_BLOCK
+    return config
+
+
+class _Group:
+    """One KV-cache group of the layer: its cache layers, spec, builder and each request's blocks."""
+
+    def __init__(self, layers: list[Any], spec: Any, builder: Any, num_blocks: int, gen: torch.Generator) -> None:
+        self.layers, self.spec, self.builder = layers, spec, builder
+        self.tokens_per_block = int(spec.block_size)
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()
+        self.blocks: list[list[int]] = []
+
+    def slot(self, r: int, position: int) -> int:
+        return self.blocks[r][position // self.tokens_per_block] * self.tokens_per_block + position % self.tokens_per_block
+
+
+def _bind(layer: Any, spec: Any, num_blocks: int, rows: int, row_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed ``[num_blocks, page_size_bytes]`` allocation bound to ``layer`` as ``[num_blocks, 1, rows, row]``
+    of ``dtype`` (the page stride is the spec's page, which alignment may pad past ``rows * row``)."""
+    page = int(spec.page_size_bytes)
+    storage = torch.zeros(num_blocks, page, dtype=torch.uint8).view(dtype)
+    size = dtype.itemsize
+    layer.bind_kv_cache(torch.as_strided(storage, (num_blocks, 1, rows, row_bytes // size),
+                                         (page // size, page // size, row_bytes // size, 1)))
+    return storage
+
+
+class CompressedLayerEngine:
+    """A DeepSeek-V4 C4A (``ratio`` 4) or C128A (``ratio`` 128) attention layer vLLM's selector picks, with
+    every cache it owns (SWA rows, compressed rows, compressor states; for C4A the indexer's MXFP4 keys
+    and its compressor's states) and the metadata of each from the builder its backend names."""
+
+    def __init__(self, vllm_config: Any, ratio: int, seed: int = 0) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.models.deepseek_v4.nvidia import model
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        self.vllm_config, self.ratio = vllm_config, ratio
+        self.hf_config = vllm_config.model_config.hf_config
+        self.gen = torch.Generator().manual_seed(seed)
+        cpu = torch.device("cpu")
+        with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.bfloat16):
+            cls = model._select_dsv4_attn_cls(vllm_config)
+            topk_buffer = torch.full((MAX_TOKENS, self.hf_config.index_topk), -1, dtype=torch.int32)
+            self.layer = cls(vllm_config, prefix=COMPRESSED_PREFIX[ratio], topk_indices_buffer=topk_buffer,
+                             aux_stream_list=None)
+            _init_weights(self.layer, self.gen)
+            layer = self.layer
+            if layer.compress_ratio != ratio:
+                raise ValueError(f"layer {layer.prefix}: compress_ratio {layer.compress_ratio}, expected {ratio}")
+            self.groups: dict[str, _Group] = {}
+
+            def add(name: str, cache_layer: Any, spec: Any, rows: int, row_bytes: int, dtype: torch.dtype) -> None:
+                storage = _bind(cache_layer, spec, NUM_BLOCKS, rows, row_bytes, dtype)
+                builder = cache_layer.get_attn_backend().get_builder_cls()(spec, [cache_layer.prefix], vllm_config,
+                                                                            cpu)
+                self.groups[name] = _Group([cache_layer], spec, builder, NUM_BLOCKS, self.gen)
+                self.groups[name].storage = storage
+
+            swa = layer.swa_cache_layer
+            swa_spec = swa.get_kv_cache_spec(vllm_config)
+            add("swa", swa, swa_spec, 1, int(swa_spec.page_size_bytes), torch.uint8)
+            spec = layer.get_kv_cache_spec(vllm_config)
+            add("compressed", layer, spec, int(spec.num_states), 584, torch.uint8)
+            state = layer.compressor.state_cache
+            state_spec = state.get_kv_cache_spec(vllm_config)
+            add("state", state, state_spec, int(state_spec.block_size), state.state_dim * 4, torch.float32)
+            if layer.indexer is not None:
+                k_cache = layer.indexer.k_cache
+                k_spec = k_cache.get_kv_cache_spec(vllm_config)
+                add("index_k", k_cache, k_spec, int(k_spec.num_states), k_cache.head_dim, torch.uint8)
+                istate = layer.indexer.compressor.state_cache
+                istate_spec = istate.get_kv_cache_spec(vllm_config)
+                add("index_state", istate, istate_spec, int(istate_spec.block_size), istate.state_dim * 4,
+                    torch.float32)
+        self.cache = self.groups["swa"].storage
+        self.hidden: list[torch.Tensor] = []
+
+    def add_request(self, num_tokens: int) -> int:
+        """A request with blocks for ``num_tokens`` positions in every group."""
+        for group in self.groups.values():
+            n = -(-num_tokens // group.tokens_per_block)
+            group.blocks.append([group.free.pop() for _ in range(n)])
+        self.hidden.append(torch.empty(0, self.hf_config.hidden_size, dtype=torch.bfloat16))
+        return len(self.hidden) - 1
+
+    def slot(self, r: int, position: int) -> int:
+        """SWA slot of request ``r``'s ``position`` (what :func:`read_cache` reads)."""
+        return self.groups["swa"].slot(r, position)
+
+    def step(self, schedule: list[tuple[int, int]]) -> Step:
+        """One forward of ``(request, new tokens)`` pairs; returns the step with the layer's output."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        token_request, token_position, hidden, query_lens = [], [], [], []
+        for r, n in schedule:
+            start = self.hidden[r].shape[0]
+            new = torch.randn(n, self.hf_config.hidden_size, generator=self.gen).to(torch.bfloat16)
+            self.hidden[r] = torch.cat([self.hidden[r], new])
+            token_request += [r] * n
+            token_position += list(range(start, start + n))
+            hidden.append(new)
+            query_lens.append(n)
+        step = Step(token_request, token_position, torch.cat(hidden))
+        requests = [r for r, _ in schedule]
+        qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        seq_lens = torch.tensor([self.hidden[r].shape[0] for r in requests], dtype=torch.int32)
+        positions = torch.tensor(token_position, dtype=torch.int64)
+        metadata, slot_mappings = {}, {}
+        for group in self.groups.values():
+            width = max(len(group.blocks[r]) for r in requests)
+            block_table = torch.zeros(len(requests), width, dtype=torch.int32)
+            for i, r in enumerate(requests):
+                block_table[i, : len(group.blocks[r])] = torch.tensor(group.blocks[r], dtype=torch.int32)
+            slots = torch.tensor([group.slot(r, p) for r, p in zip(token_request, token_position)], dtype=torch.int64)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(requests),
+                num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+                block_table_tensor=block_table, slot_mapping=slots, seq_lens_cpu_upper_bound=seq_lens.clone(),
+                positions=positions,
+            )
+            built = group.builder.build(common_prefix_len=0, common_attn_metadata=common)
+            for cache_layer in group.layers:
+                metadata[cache_layer.prefix] = built
+                slot_mappings[cache_layer.prefix] = slots
+        with torch.no_grad(), set_forward_context(metadata, self.vllm_config, num_tokens=len(token_request),
+                                                  slot_mapping=slot_mappings):
+            step.output = self.layer(positions, step.hidden)
+        return step
