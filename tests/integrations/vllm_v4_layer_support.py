@@ -286,7 +286,8 @@ def read_cache(engine: LayerEngine, r: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 COMPRESSED_BLOCK = 256   # vLLM's DeepSeek-V4 kernel block: 256 tokens, 256 / ratio compressed rows
-COMPRESSED_NUM_BLOCKS = 4
+COMPRESSED_MAX_REQUESTS = 2
+COMPRESSED_MAX_TOKENS = 64   # per request
 C4_TOPK = 4
 COMPRESSED_PREFIX = {4: "model.layers.0.attn", 128: "model.layers.1.attn"}
 
@@ -356,10 +357,11 @@ class CompressedLayerEngine:
             self.groups: dict[str, _Group] = {}
 
             def add(name: str, cache_layer: Any, spec: Any, rows: int, row_bytes: int, dtype: torch.dtype) -> None:
-                storage = _bind(cache_layer, spec, NUM_BLOCKS, rows, row_bytes, dtype)
+                num_blocks = COMPRESSED_MAX_REQUESTS * -(-COMPRESSED_MAX_TOKENS // int(spec.block_size))
+                storage = _bind(cache_layer, spec, num_blocks, rows, row_bytes, dtype)
                 builder = cache_layer.get_attn_backend().get_builder_cls()(spec, [cache_layer.prefix], vllm_config,
                                                                             cpu)
-                self.groups[name] = _Group([cache_layer], spec, builder, NUM_BLOCKS, self.gen)
+                self.groups[name] = _Group([cache_layer], spec, builder, num_blocks, self.gen)
                 self.groups[name].storage = storage
 
             swa = layer.swa_cache_layer

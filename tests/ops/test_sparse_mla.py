@@ -512,20 +512,27 @@ def decode_fuzz_cases(n: int, seed: int = 0) -> list[dict]:
     return cases
 
 
-@pytest.mark.gpu
-def test_prefill_gpu_fuzz():
-    errs = [run_prefill_case(prefill_case(**c), str(c)) for c in prefill_fuzz_cases(300)]
-    print(f"prefill fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
+# The GPU fuzz runs as shards of its 300 cases, so pytest-xdist spreads them.
+FUZZ_SHARDS = 4
 
 
 @pytest.mark.gpu
-def test_decode_gpu_fuzz():
+@pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
+def test_prefill_gpu_fuzz(shard):
+    errs = [run_prefill_case(prefill_case(**c), str(c)) for c in prefill_fuzz_cases(300)[shard::FUZZ_SHARDS]]
+    print(f"prefill fuzz shard {shard}: {len(errs)} cases, max abs err {max(errs):.3e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shard", range(FUZZ_SHARDS))
+def test_decode_gpu_fuzz(shard):
     rnd = random.Random(1)
     errs = []
-    for c in decode_fuzz_cases(300):
+    for i, c in enumerate(decode_fuzz_cases(300)):
         launch = {"num_splits": rnd.choice([None, None, 1])}
-        errs.append(run_decode_case(decode_case(**c), str(c) + str(launch), **launch))
-    print(f"decode fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
+        if i % FUZZ_SHARDS == shard:
+            errs.append(run_decode_case(decode_case(**c), str(c) + str(launch), **launch))
+    print(f"decode fuzz shard {shard}: {len(errs)} cases, max abs err {max(errs):.3e}")
 
 
 @pytest.mark.gpu
