@@ -15,8 +15,10 @@ builds (``DeepseekV4Backend._forward_attention`` and ``_forward_prefill_sparse``
 
 References: plain-torch V4 attention over keys read back by SGLang's own page reader
 (``flash_mla_sm120._gather_and_dequant``), and SGLang's own torch fallback ``_sm120_sparse_decode_fwd``.
-Not exercised here: the backend object itself (its metadata builders need SGLang's CUDA model runner
-and the V4 token pool), the model's compressor / indexer / mHC modules.
+The backend object itself (SGLang's ``DeepseekV4AttnBackend`` from its registry, the V4 token pool, the
+prefill / decode metadata builders and ``forward`` of a window-only layer) runs in
+``test_sglang_v4_backend.py``. Not exercised on CPU: the model's compressor / indexer / mHC modules and
+compressed layers' metadata (SGLang's compressor plans and kernels are CUDA JIT with no CPU path).
 """
 
 from __future__ import annotations
