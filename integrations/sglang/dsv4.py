@@ -10,7 +10,10 @@ kernels through module functions it looks up when it runs:
 - sparse prefill: ``flash_mla_interface.flash_mla_sparse_fwd`` (read per call);
 - the decode schedule placeholder: ``flash_mla_interface.get_mla_metadata`` (read per batch);
 - the V4 KV-cache write: ``fused_store_cache``, bound into ``mem_cache/deepseek_v4_memory_pool.py`` by
-  ``from ... import`` when SGLang imports it, so the pool module's global is replaced.
+  ``from ... import`` when SGLang imports it, so the pool module's global is replaced. It is the write of
+  ``backend.store_cache`` (SGLang's bf16-source setting, context-parallel prefill); by default the model
+  writes the sliding-window keys with SGLang's own JIT kernel ``fused_k_norm_rope_flashmla``, compiled
+  for the GPU it runs on, in the same 584-byte layout, and that write stays SGLang's.
 
 :func:`activate` replaces each of them with a function of the same signature that decides per call
 (:func:`decode_route`, :func:`prefill_route`, :func:`store_route`, from :mod:`nsa_backend.routing`):
