@@ -196,8 +196,8 @@ def _selector(original: Callable[[Any], type], settings: VllmSettings | None,
         cls, why = select_attention(vllm_config, original, settings, arch())
         if cls is NsaDeepseekV4Attention:
             logger.info("nsa-backend: DeepSeek-V4 attention on nsa-backend (%s)", why)
-            # The C4A indexer's MXFP4 logits follow the attention: DeepGEMM's fp4 kernels miss SM8x and
-            # most head counts on SM120.
+            # The C4A indexer's logits (MXFP4 or FP8 keys) follow the attention: DeepGEMM's kernels miss
+            # SM8x and most head counts on SM120.
             dsv4_indexer.install()
         return cls
 

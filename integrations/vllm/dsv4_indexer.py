@@ -9,9 +9,12 @@ has no such kernels on SM8x and serves only 32 / 64 indexer heads on SM120.
 
 :func:`install` points the two names at :func:`fp8_fp4_mqa_logits` and
 :func:`fp8_fp4_paged_mqa_logits` below: for MXFP4 keys they call :func:`nsa_backend.fp8_fp4_mqa_logits`
-/ :func:`nsa_backend.fp8_fp4_paged_mqa_logits` (DeepGEMM's semantics, any head count 1..128);
-e4m3 keys (the FP8 indexer cache of other models sharing the module) go to vLLM's function
-unchanged. ``dsv4`` installs them when it selects :class:`NsaDeepseekV4Attention` for a layer.
+/ :func:`nsa_backend.fp8_fp4_paged_mqa_logits` (DeepGEMM's semantics, any head count 1..128). vLLM's FP8
+indexer operands (its default indexer cache everywhere but SM10x: e4m3 queries without a scale, e4m3 keys
+with fp32 per-key scales, in the paged form 132-byte rows) call :func:`nsa_backend.fp8_mqa_logits` /
+:func:`nsa_backend.fp8_paged_mqa_logits`, DeepGEMM's FP8 kernels' semantics. Any other operands (SM10x's
+UE8M0 int32 key scales, another row width) go to vLLM's function unchanged. ``dsv4`` installs them when it
+selects :class:`NsaDeepseekV4Attention` for a layer.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ from nsa_backend.indexer import FP4_ROW_BYTES
 
 INDEXER_LAYER = "vllm.model_executor.layers.sparse_attn_indexer"
 _PACKED = (torch.int8, torch.uint8)
+FP8_ROW_BYTES = 132   # vLLM's FP8 indexer row: 128 e4m3 values and one fp32 scale
+
+
+def _fp8_keys(q: Any, keys: Any, scales: Any) -> bool:
+    """Whether a ragged logits call carries vLLM's FP8 indexer operands (e4m3 q without a scale, e4m3 keys
+    with fp32 per-key scales): DeepGEMM's ``fp8_mqa_logits``, which nsa-backend serves on every arch."""
+    return (isinstance(keys, torch.Tensor) and keys.dtype == torch.float8_e4m3fn and isinstance(scales, torch.Tensor)
+            and scales.dtype == torch.float32 and isinstance(q, (tuple, list)) and q[1] is None
+            and isinstance(q[0], torch.Tensor) and q[0].dtype == torch.float8_e4m3fn)
 
 # vLLM's functions the replacements stood in for: name -> function (empty while not installed).
 _ORIGINALS: dict[str, Callable[..., torch.Tensor]] = {}
@@ -47,7 +59,7 @@ def fp8_fp4_mqa_logits(
     max_seqlen_k: int,
     logits_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """vLLM's ``fp8_fp4_mqa_logits`` (ragged prefill logits) with MXFP4 keys on nsa-backend.
+    """vLLM's ``fp8_fp4_mqa_logits`` (ragged prefill logits) with MXFP4 or FP8 keys on nsa-backend.
 
     Parameters
     ----------
@@ -55,8 +67,9 @@ def fp8_fp4_mqa_logits(
         ``(q_values, q_scale)``: packed MXFP4 ``int8 [M, H, 64]`` with ``int32 [M, H]`` UE8M0 x4
         scales (vLLM's FP4 path), or e4m3 ``[M, H, 128]`` with ``None``.
     kv : tuple
-        ``(k_values, k_scales)``: packed MXFP4 ``int8 [N, 64]`` and ``int32 [N]`` scales (routed to
-        nsa-backend), or e4m3 keys with fp32 / int32 scales (routed to vLLM's function).
+        ``(k_values, k_scales)``: packed MXFP4 ``int8 [N, 64]`` and ``int32 [N]`` scales, or e4m3
+        ``[N, 128]`` keys with fp32 ``[N]`` scales (both routed to nsa-backend); e4m3 keys with int32
+        (UE8M0) scales go to vLLM's function.
     weights : torch.Tensor
         ``[M, H]`` fp32 or bf16.
     cu_seqlen_ks, cu_seqlen_ke : torch.Tensor
@@ -72,6 +85,11 @@ def fp8_fp4_mqa_logits(
         ``[M, max_seqlen_k]``; columns outside a row's window are ``-inf`` on the nsa-backend path.
     """
     keys = kv[0] if isinstance(kv, (tuple, list)) and len(kv) == 2 else None
+    if _fp8_keys(q, keys, kv[1] if keys is not None else None):
+        # vLLM's FP8 indexer cache (every arch but sm_10x): e4m3 keys with fp32 scales, DeepGEMM's fp8 kernel.
+        out = nsa_backend.fp8_mqa_logits(q[0], (keys, kv[1]), weights.float(), cu_seqlen_ks, cu_seqlen_ke, True,
+                                         max_seqlen_k)
+        return out.to(logits_dtype)
     if not isinstance(keys, torch.Tensor) or keys.dtype not in _PACKED:
         # vLLM 0.33's function has no logits_dtype parameter: pass it only when it is not the default.
         extra = {} if logits_dtype == torch.float32 else {"logits_dtype": logits_dtype}
@@ -90,7 +108,7 @@ def fp8_fp4_paged_mqa_logits(
     logits_dtype: torch.dtype = torch.float32,
     indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """vLLM's ``fp8_fp4_paged_mqa_logits`` (decode logits) with an MXFP4 key cache on nsa-backend.
+    """vLLM's ``fp8_fp4_paged_mqa_logits`` (decode logits) with an MXFP4 or FP8 key cache on nsa-backend.
 
     Parameters
     ----------
@@ -99,7 +117,8 @@ def fp8_fp4_paged_mqa_logits(
         scales, or e4m3 ``[B, next_n, H, 128]`` with ``None``.
     kv_cache : torch.Tensor
         ``uint8 [num_blocks, block_size, 1, 68]`` (vLLM's ``kv_cache_as_quant_view``; the page stride may
-        exceed the page) for MXFP4 (routed to nsa-backend); any other row width goes to vLLM's function.
+        exceed the page) for MXFP4, or ``[num_blocks, block_size, 1, 132]`` for FP8 with e4m3 queries (both
+        routed to nsa-backend); any other row width goes to vLLM's function.
     weights : torch.Tensor
         ``[B * next_n, H]`` fp32 or bf16.
     context_lens : torch.Tensor
@@ -121,13 +140,20 @@ def fp8_fp4_paged_mqa_logits(
     torch.Tensor
         ``[B * next_n, max_model_len]``; keys a row cannot see are ``-inf`` on the nsa-backend path.
     """
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype != torch.uint8 or kv_cache.shape[-1] != FP4_ROW_BYTES:
+    rows = kv_cache.shape[-1] if isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.uint8 else None
+    fp8 = rows == FP8_ROW_BYTES and q[1] is None and q[0].dtype == torch.float8_e4m3fn
+    if not fp8 and rows != FP4_ROW_BYTES:
         extra: dict[str, Any] = {} if logits_dtype == torch.float32 else {"logits_dtype": logits_dtype}
         return _original("fp8_fp4_paged_mqa_logits")(q, kv_cache, weights, context_lens, block_tables,
                                                      schedule_metadata, max_model_len, indices=indices, **extra)
     if indices is not None and block_tables.shape[0] != weights.shape[0]:
         raise ValueError(f"block_tables: the varlen form (indices given) needs one block-table row per query row "
                          f"({weights.shape[0]}), got {block_tables.shape[0]}")
+    if fp8:
+        # vLLM's FP8 indexer cache (every arch but SM10x): 128 e4m3 values and an fp32 scale per row.
+        out = nsa_backend.fp8_paged_mqa_logits(q[0], kv_cache, weights.float(), context_lens, block_tables,
+                                               schedule_metadata, max_model_len, True)
+        return out.to(logits_dtype)
     return nsa_backend.fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                                                 max_model_len, logits_dtype)
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 C4A indexer logits routed to nsa-backend's MXFP4 ops (``integrations/vllm/dsv4_indexer.py``).
+"""DeepSeek-V4 C4A indexer logits routed to nsa-backend's MXFP4 and FP8 ops (``integrations/vllm/dsv4_indexer.py``).
 
 - contract: every call of ``fp8_fp4_mqa_logits`` / ``fp8_fp4_paged_mqa_logits`` that reaches the names
   in ``vllm.model_executor.layers.sparse_attn_indexer`` binds to the replacement, and that module looks
@@ -7,6 +7,10 @@
   UE8M0 x4 scales, the 4-D page view of vLLM's ``kv_cache_as_quant_view`` over strided pages) equal
   ``nsa_backend.reference`` on the same data, for 64 heads and 16 (which DeepGEMM refuses), ``-inf``
   for keys a row cannot see;
+- FP8: vLLM's FP8 indexer operands (its default cache everywhere but SM10x: e4m3 q without a scale, e4m3
+  keys with fp32 scales, 132-byte cache rows) reach ``nsa_backend.fp8_mqa_logits`` /
+  ``fp8_paged_mqa_logits`` (never vLLM's function) and equal ``nsa_backend.reference``; SM10x's FP8 form
+  (UE8M0 int32 scales) and other row widths still go to vLLM's function;
 - install: the names are replaced exactly when the DeepSeek-V4 selector picks nsa-backend's class.
 """
 
@@ -194,16 +198,127 @@ def test_ragged_logits_as_vllm_calls_them(installed, heads, kernel):
     assert torch.isfinite(out[~invisible]).all()
 
 
-def test_fp8_keys_stay_on_vllms_function(installed, v4i, monkeypatch):
-    """e4m3 keys (an FP8 indexer cache) are not MXFP4: the call goes to vLLM's function unchanged."""
+# --- FP8 indexer operands (vLLM's default indexer cache everywhere but SM10x) ---------------------------
+
+FP8_NAMES = ("fp8_mqa_logits", "fp8_paged_mqa_logits")
+
+
+@pytest.fixture(params=["auto", "triton"])
+def fp8_calls(request, v4i, monkeypatch):
+    """nsa-backend's FP8 logits ops recorded (``auto``: the reference on this CPU; ``triton``: the Triton
+    kernels in the interpreter), and vLLM's functions made to fail if the replacement falls through to them."""
+    import nsa_backend
+
+    calls: list[str] = []
+    for name in FP8_NAMES:
+        op = getattr(nsa_backend, name)
+
+        def recorded(*args, _op=op, _name=name, **kwargs):
+            calls.append(_name)
+            return _op(*args, **kwargs, **({} if request.param == "auto" else {"impl": request.param}))
+
+        monkeypatch.setattr(nsa_backend, name, recorded)
+
+    def vllms(*args, **kwargs):
+        raise AssertionError("FP8 indexer operands reached vLLM's DeepGEMM function")
+
+    for name in NAMES:
+        monkeypatch.setitem(v4i._ORIGINALS, name, vllms)
+    return calls
+
+
+def _fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def _vllm_fp8_page_view(pages: torch.Tensor) -> torch.Tensor:
+    """``[P, PAGE, 1, 132]`` pages in vLLM's 3-D FP8 indexer allocation (page stride padded past the page),
+    viewed through vLLM's ``kv_cache_as_quant_view`` (FP8: the allocation with a unit head axis)."""
+    from vllm.model_executor.layers.sparse_attn_indexer import kv_cache_as_quant_view
+
+    P, row = pages.shape[0], pages.shape[-1]
+    page_bytes = PAGE * row + 64
+    storage = torch.full((P, page_bytes), 0xEE, dtype=torch.uint8)
+    storage[:, : PAGE * row] = pages.reshape(P, -1)
+    alloc = torch.as_strided(storage, (P, PAGE, row), (page_bytes, row, 1))
+    return kv_cache_as_quant_view(alloc, D, False)
+
+
+@pytest.mark.parametrize("heads", [64, 16])
+def test_fp8_ragged_logits_as_vllm_calls_them(installed, heads, fp8_calls):
+    """vLLM's FP8 prefill call (e4m3 q without a scale, e4m3 keys with fp32 scales) runs
+    ``nsa_backend.fp8_mqa_logits`` and returns DeepGEMM's compressed logits (row ``i`` column ``j``: key
+    ``ks[i] + j``), ``-inf`` past a row's window."""
+    gen = torch.Generator().manual_seed(300 + heads)
+    M, N = 4, 40
+    q = _fp8(torch.randn(M, heads, D, generator=gen))
+    k = _fp8(torch.randn(N, D, generator=gen))
+    k_scale = torch.rand(N, generator=gen) + 0.5
+    weights = torch.rand(M, heads, generator=gen)
+    ks = torch.tensor([0, 0, 10, 25], dtype=torch.int32)
+    ke = torch.tensor([5, 20, 30, 40], dtype=torch.int32)
+    max_seqlen_k = int((ke - ks).max())
+    out = installed.fp8_fp4_mqa_logits((q, None), (k, k_scale), weights, ks, ke, max_seqlen_k, **_logits_dtype_kw())
+    assert fp8_calls == ["fp8_mqa_logits"]
+    expected = ref.fp8_mqa_logits(q, (k, k_scale), weights, ks, ke, True, max_seqlen_k)
+    assert out.shape == (M, max_seqlen_k) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    invisible = torch.arange(max_seqlen_k)[None, :] >= (ke - ks)[:, None]
+    assert torch.isneginf(out[invisible]).all() and torch.isfinite(out[~invisible]).all()
+
+
+@pytest.mark.parametrize("heads", [64, 16])
+@pytest.mark.parametrize("form", ["batch", "varlen"])
+def test_fp8_paged_logits_as_vllm_calls_them(installed, heads, form, fp8_calls):
+    """vLLM's FP8 decode call (e4m3 q without a scale, the 132-byte-row cache through
+    ``kv_cache_as_quant_view``; batch form with ``[B, next_n]`` lengths, or DeepGEMM's varlen form with
+    ``indices`` and one block-table row per query row) runs ``nsa_backend.fp8_paged_mqa_logits``."""
+    gen = torch.Generator().manual_seed(400 + heads)
+    keys = torch.randn(150, D, generator=gen)
+    pages = ref.pack_indexer_k_cache(keys, PAGE)                           # [3, 64, 1, 132]
+    kv_cache = _vllm_fp8_page_view(pages)
+    B, max_model_len = 3, 192
+    q = _fp8(torch.randn(B, 1, heads, D, generator=gen))
+    weights = torch.rand(B, heads, generator=gen)
+    block_table = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 2, 0]], dtype=torch.int32)
+    if form == "batch":
+        seq_lens, indices = torch.tensor([[150], [70], [1]], dtype=torch.int32), None
+    else:
+        seq_lens, indices = torch.tensor([150, 70, 1], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    out = installed.fp8_fp4_paged_mqa_logits(
+        (q, None), kv_cache, weights, seq_lens, block_table, torch.zeros(9, 2, dtype=torch.int32),
+        max_model_len=max_model_len, indices=indices, **_logits_dtype_kw())
+    assert fp8_calls == ["fp8_paged_mqa_logits"]
+    expected = ref.fp8_paged_mqa_logits(q, pages, weights, seq_lens, block_table, None, max_model_len, True)
+    assert out.shape == (B, max_model_len) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    invisible = torch.arange(max_model_len)[None, :] >= seq_lens.view(-1, 1)
+    assert torch.isneginf(out[invisible]).all() and torch.isfinite(out[~invisible]).all()
+
+
+def test_other_operands_stay_on_vllms_function(installed, v4i, monkeypatch):
+    """Operands neither MXFP4 nor vLLM's FP8 form go to vLLM's function unchanged (``logits_dtype`` only
+    when it is not the default): SM10x's FP8 form (UE8M0 int32 key scales, unit MX q scales) and a cache
+    row width that is neither 68 nor 132 bytes."""
+    import nsa_backend
+
     seen = []
     monkeypatch.setitem(v4i._ORIGINALS, "fp8_fp4_mqa_logits", lambda *a, **k: seen.append((a, k)) or "vllm")
     monkeypatch.setitem(v4i._ORIGINALS, "fp8_fp4_paged_mqa_logits", lambda *a, **k: seen.append((a, k)) or "vllm")
+    for name in (*FP8_NAMES, *NAMES):
+        monkeypatch.setattr(nsa_backend, name, lambda *a, **k: pytest.fail("routed to nsa-backend"))
     fp8 = torch.zeros(4, D, dtype=torch.float8_e4m3fn)
-    assert installed.fp8_fp4_mqa_logits((fp8[:, None], None), (fp8, torch.ones(4)), None, None, None, 4) == "vllm"
-    cache = torch.zeros(1, PAGE, 1, D + 4, dtype=torch.uint8)
-    assert installed.fp8_fp4_paged_mqa_logits((fp8, None), cache, None, None, None, None, max_model_len=8) == "vllm"
-    assert len(seen) == 2 and "logits_dtype" not in seen[0][1]
+    mx_scales = torch.ones(4, dtype=torch.int32)
+    assert installed.fp8_fp4_mqa_logits((fp8[:, None], mx_scales[:, None]), (fp8, mx_scales), None, None, None,
+                                        4) == "vllm"
+    assert installed.fp8_fp4_mqa_logits((fp8[:, None], None), (fp8, mx_scales), None, None, None, 4) == "vllm"
+    sm10x_cache = torch.zeros(1, PAGE, 1, D + 4, dtype=torch.uint8)
+    assert installed.fp8_fp4_paged_mqa_logits((fp8[:, None, None], mx_scales[:, None, None]), sm10x_cache, None,
+                                              None, None, None, max_model_len=8) == "vllm"
+    other_cache = torch.zeros(1, PAGE, 1, 100, dtype=torch.uint8)
+    assert installed.fp8_fp4_paged_mqa_logits((fp8[:, None, None], None), other_cache, None, None, None, None,
+                                              max_model_len=8) == "vllm"
+    assert len(seen) == 4 and all("logits_dtype" not in kwargs for _, kwargs in seen)
 
 
 # --- install ----------------------------------------------------------------------------------------

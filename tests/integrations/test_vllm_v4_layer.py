@@ -10,9 +10,8 @@ SWA metadata builder (vLLM's, less FlashMLA's tile scheduler), then nsa-backend'
 (``write_fp8_ds_mla_v4_cache``) and sparse attention (``sparse_mla_decode`` over the 584-byte
 cache, with the sink) and the grouped ``wo_a``.
 
-Exercised: sliding-window layers (``compress_ratio`` 1). Not exercised here: C4A / C128A layers
-(vLLM's compressor and indexer with their own caches and metadata; the extra key list of
-``sparse_mla_decode`` is covered by the op's own tests).
+Exercised: sliding-window layers (``compress_ratio`` 1); C4A / C128A layers (vLLM's compressor and
+indexer with their own caches and metadata) are ``test_vllm_v4_compressed.py``'s.
 
 Replaced for the CPU: ``triton.runtime.interpreter._convert_float`` for float32 -> e4m3 / bf16 (the
 interpreter drops the carry of a rounded-up mantissa), by torch's round-to-nearest-even conversion,
@@ -82,6 +81,9 @@ def vllm_on_cpu(model_dir):
     model = importlib.import_module(dsv4.MODEL_MODULE)
     saved_selector = getattr(model, dsv4.SELECTOR)
     saved_overrides = dict(registry._ATTN_OVERRIDES)
+    # A registration by an earlier module would make register() a no-op: start unregistered, restore after.
+    saved_state = {**plugin._state, "errors": dict(plugin._state["errors"])}
+    plugin._state["registered"] = False
     plugin.register()
     # The Triton interpreter's float32 -> e4m3 / bf16 conversions drop a rounded-up mantissa's carry;
     # torch's round-to-nearest-even is what the GPU instructions do (see vllm_layer_support).
@@ -107,6 +109,8 @@ def vllm_on_cpu(model_dir):
         setattr(model, dsv4.SELECTOR, saved_selector)
         registry._ATTN_OVERRIDES.clear()
         registry._ATTN_OVERRIDES.update(saved_overrides)
+        plugin._state.clear()
+        plugin._state.update(saved_state)
 
 
 class Scenario:

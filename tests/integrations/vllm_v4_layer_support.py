@@ -194,7 +194,7 @@ def _rms(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> tor
 
 
 def cos_sin(positions: torch.Tensor, theta: float, dim: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain RoPE angles (the sliding-window layers' RoPE): ``cos, sin`` ``[T, dim / 2]``."""
+    """Plain RoPE angles (every layer's RoPE on a config without YaRN): ``cos, sin`` ``[T, dim / 2]``."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     angles = positions.float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
@@ -217,10 +217,21 @@ def v4_cache_roundtrip(kv: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, _bf16(kv[:, 448:])], dim=-1)
 
 
+def rope_theta(engine: Any) -> float:
+    """The RoPE base of the engine's layer: ``rope_theta`` for sliding-window layers, ``compress_rope_theta``
+    for compressed ones (C4A, C128A), as the DeepSeek-V4 config lays out its per-layer-type RoPE."""
+    cfg = engine.hf_config
+    return float(cfg.compress_rope_theta if getattr(engine, "ratio", 1) > 1 else cfg.rope_theta)
+
+
 def _projections(engine: LayerEngine, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(qr, kv)`` after the fused projection and their RMSNorms, bf16-rounded as vLLM stores them."""
+    """``(qr, kv)`` after the fused projection and their RMSNorms, bf16-rounded as vLLM stores them.
+
+    The projection is the platform's bf16 GEMM (what vLLM's unquantised linear layer calls): a float32
+    product rounded to bf16 differs from it by one bf16 step in a few elements per ten thousand (a sum
+    landing near a rounding boundary in another order), which the exact cache check would report."""
     layer, cfg = engine.layer, engine.hf_config
-    qr_kv = _bf16(h.float() @ layer.fused_wqa_wkv.weight.float().T)
+    qr_kv = torch.nn.functional.linear(h.to(torch.bfloat16), layer.fused_wqa_wkv.weight.to(torch.bfloat16)).float()
     qr = _bf16(_rms(qr_kv[:, : cfg.q_lora_rank], cfg.rms_norm_eps, layer.q_norm.weight))
     kv = _bf16(_rms(qr_kv[:, cfg.q_lora_rank :], cfg.rms_norm_eps, layer.kv_norm.weight))
     return qr, kv
@@ -231,18 +242,19 @@ def request_keys(engine: LayerEngine, r: int) -> torch.Tensor:
     """Every position of request ``r`` as the cache holds it: ``[L, 512]`` float32."""
     h = engine.hidden[r]
     _, kv = _projections(engine, h)
-    cos, sin = cos_sin(torch.arange(h.shape[0]), engine.hf_config.rope_theta)
+    cos, sin = cos_sin(torch.arange(h.shape[0]), rope_theta(engine))
     kv = torch.cat([kv[:, :448], _bf16(rope_gptj(kv[:, 448:], cos, sin))], dim=-1)
     return v4_cache_roundtrip(kv)
 
 
 @torch.no_grad()
-def reference_step(engine: LayerEngine, step: Step) -> torch.Tensor:
-    """The step's output ``[T, hidden]`` (float32) from the weights."""
+def reference_step(engine: Any, step: Step, extra_keys: Any = None) -> torch.Tensor:
+    """The step's output ``[T, hidden]`` (float32) from the weights; ``extra_keys(t, r, p)`` (optional) gives
+    token ``t``'s further keys ``[K, 512]`` (compressed layers), attended with the window."""
     layer, cfg = engine.layer, engine.hf_config
     heads, d, groups, rank = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
     positions = torch.tensor(step.token_position)
-    cos, sin = cos_sin(positions, cfg.rope_theta)
+    cos, sin = cos_sin(positions, rope_theta(engine))
     qr, _ = _projections(engine, step.hidden)
     q = _bf16(qr @ layer.wq_b.weight.float().T).view(-1, heads, d)
     q = _rms(q, cfg.rms_norm_eps)
@@ -252,6 +264,8 @@ def reference_step(engine: LayerEngine, step: Step) -> torch.Tensor:
     out = torch.empty(len(step.token_request), heads, d)
     for t, (r, p) in enumerate(zip(step.token_request, step.token_position)):
         k = keys[r][max(0, p - cfg.sliding_window + 1) : p + 1]   # the sliding window
+        if extra_keys is not None:
+            k = torch.cat([k, extra_keys(t, r, p)])
         scores = q[t] @ k.T * d**-0.5   # [H, W]
         m = torch.maximum(scores.amax(-1), sink)
         weights = torch.exp(scores - m[:, None])
@@ -269,7 +283,7 @@ def read_cache(engine: LayerEngine, r: int) -> torch.Tensor:
     """Request ``r``'s rows decoded from the SWA cache bytes: ``[L, 512]`` float32 (block-split page:
     ``P`` rows of 448 e4m3 + 64 bf16, then ``P`` rows of 8 scale bytes, UE8M0 ``2^(b - 127)``)."""
     rows = []
-    flat = engine.cache.view(NUM_BLOCKS, -1)
+    flat = engine.cache.view(engine.cache.shape[0], -1)
     for p in range(engine.hidden[r].shape[0]):
         slot = engine.slot(r, p)
         page, off = flat[slot // PAGE], slot % PAGE
@@ -287,7 +301,7 @@ def read_cache(engine: LayerEngine, r: int) -> torch.Tensor:
 
 COMPRESSED_BLOCK = 256   # vLLM's DeepSeek-V4 kernel block: 256 tokens, 256 / ratio compressed rows
 COMPRESSED_MAX_REQUESTS = 2
-COMPRESSED_MAX_TOKENS = 64   # per request
+COMPRESSED_MAX_TOKENS = 136   # per request
 C4_TOPK = 4
 COMPRESSED_PREFIX = {4: "model.layers.0.attn", 128: "model.layers.1.attn"}
 
@@ -297,6 +311,7 @@ COMPRESSED_CONFIG: dict[str, Any] = {
     "index_topk": C4_TOPK,
     "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
     "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "compress_rope_theta": 160000.0,   # the compressed layers' RoPE base (the sliding-window layer's: rope_theta)
 }
 
 
@@ -317,7 +332,8 @@ class _Group:
         self.blocks: list[list[int]] = []
 
     def slot(self, r: int, position: int) -> int:
-        return self.blocks[r][position // self.tokens_per_block] * self.tokens_per_block + position % self.tokens_per_block
+        per = self.tokens_per_block
+        return self.blocks[r][position // per] * per + position % per
 
 
 def _bind(layer: Any, spec: Any, num_blocks: int, rows: int, row_bytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -359,8 +375,11 @@ class CompressedLayerEngine:
             def add(name: str, cache_layer: Any, spec: Any, rows: int, row_bytes: int, dtype: torch.dtype) -> None:
                 num_blocks = COMPRESSED_MAX_REQUESTS * -(-COMPRESSED_MAX_TOKENS // int(spec.block_size))
                 storage = _bind(cache_layer, spec, num_blocks, rows, row_bytes, dtype)
-                builder = cache_layer.get_attn_backend().get_builder_cls()(spec, [cache_layer.prefix], vllm_config,
-                                                                            cpu)
+                builder_cls = cache_layer.get_attn_backend().get_builder_cls()
+                # vLLM's runner passes the block-table width to builders that ask for it (the indexer's).
+                extra = ({"block_table_width": -(-COMPRESSED_MAX_TOKENS // int(spec.block_size))}
+                         if getattr(builder_cls, "requires_block_table_width", False) else {})
+                builder = builder_cls(spec, [cache_layer.prefix], vllm_config, cpu, **extra)
                 self.groups[name] = _Group([cache_layer], spec, builder, num_blocks, self.gen)
                 self.groups[name].storage = storage
 
@@ -436,3 +455,62 @@ class CompressedLayerEngine:
                                                   slot_mapping=slot_mappings):
             step.output = self.layer(positions, step.hidden)
         return step
+
+
+def register_cpu_mm_out_dtype() -> Any:
+    """A CPU kernel for ``aten::mm.dtype`` (``torch.mm(a, b, out_dtype=...)``, CUDA-only in torch), which vLLM's
+    DeepSeek-V4 layer uses for the compressors' fp32 ``kv_score`` projections: the product in float32 (the
+    GPU's bf16 GEMM accumulates in fp32 too), cast to ``out_dtype``. Returns the ``torch.library.Library``
+    holding it (the kernel is registered while that object lives; ``_destroy()`` removes it)."""
+    lib = torch.library.Library("aten", "IMPL")
+
+    def mm_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return (a.float() @ b.float()).to(out_dtype)
+
+    lib.impl("mm.dtype", mm_dtype, "CPU")
+    return lib
+
+
+def gather_indexer_k(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
+                         block_table: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
+    """Torch stand-in for vLLM's ``cp_gather_indexer_k_quant_cache`` (a ``vllm._C`` CUDA op, absent from a
+    CPU install): request ``b``'s first ``cu[b+1] - cu[b]`` rows of the indexer cache, in order, into ``dst_k``
+    (FP8: ``[N, 128]`` e4m3; MXFP4: ``[N, 64]``) and ``dst_scale`` (``[N, 4]`` bytes); a page holds its rows'
+    values, then their scales."""
+    rows = kv_cache.shape[1]
+    half, ns = dst_k.shape[-1] * dst_k.element_size(), dst_scale[0].numel() * dst_scale.element_size()
+    cu = cu_seq_lens.tolist()
+    for b in range(len(cu) - 1):
+        for j in range(cu[b + 1] - cu[b]):
+            page = kv_cache[int(block_table[b, j // rows])].reshape(-1)
+            o = j % rows
+            dst_k[cu[b] + j] = page[o * half : (o + 1) * half].view(dst_k.dtype)
+            dst_scale[cu[b] + j] = page[rows * half + o * ns : rows * half + (o + 1) * ns].view(
+                dst_scale.dtype).view(dst_scale.shape[1:])
+
+
+def top_k_per_row_prefill(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
+                          num_rows: int, stride0: int, stride1: int, topk: int) -> None:
+    """vLLM's ``top_k_per_row_prefill`` (a ``vllm._C`` CUDA op) through :func:`nsa_backend.topk_indices`:
+    row ``i``'s ``topk`` best columns of ``[starts[i], ends[i])``, relative to ``starts[i]``, ``-1`` padded."""
+    import nsa_backend
+
+    idx = nsa_backend.topk_indices(logits[:num_rows].float().contiguous(), topk, starts[:num_rows].int(),
+                                   ends[:num_rows].int())
+    out[:num_rows, :topk] = torch.where(idx >= 0, idx - starts[:num_rows, None].int(), -1)
+
+
+def read_compressed(engine: CompressedLayerEngine, r: int) -> torch.Tensor:
+    """Request ``r``'s compressed keys as vLLM's compressor stored them: ``[L // ratio, 512]`` float32, decoded
+    from the compressed cache bytes (block-split pages of ``256 / ratio`` rows, as :func:`read_cache`)."""
+    group = engine.groups["compressed"]
+    rows = int(group.spec.num_states)
+    flat = group.storage
+    out = []
+    for i in range(engine.hidden[r].shape[0] // engine.ratio):
+        page, off = flat[group.blocks[r][i // rows]], i % rows
+        data = page[off * 576 : (off + 1) * 576]
+        scales = page[rows * 576 + off * 8 : rows * 576 + off * 8 + 7].float()
+        nope = data[:448].view(torch.float8_e4m3fn).float().view(7, 64) * torch.exp2(scales - 127)[:, None]
+        out.append(torch.cat([nope.view(-1), data[448:576].clone().view(torch.bfloat16).float()]))
+    return torch.stack(out) if out else torch.empty(0, 512)
