@@ -526,13 +526,16 @@ def v4_kv_rms_norm(kv: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
     The sum of squares is taken in float64 (every square of a bf16 value is exact there), so the
     result does not depend on the order of summation; the rest is float32 with correctly rounded
-    ``sqrt`` and division (no fused multiply-add).
+    ``sqrt`` and division (no fused multiply-add). Both are computed in float64 and rounded to float32,
+    which gives the correctly rounded float32 results (53 >= 2 * 24 + 2 bits) on any CPU: vectorised
+    float32 ``sqrt`` of some CPU math libraries is off by an ulp now and then.
     """
     x = kv.float()
     ss = kv.double().square().sum(dim=-1, keepdim=True)
     ms = (ss / V4_HEAD_DIM).float()
     v = ms + torch.full_like(ms, eps)
-    rms = torch.ones_like(v) / torch.sqrt(v)
+    root = torch.sqrt(v.double()).float()
+    rms = (1.0 / root.double()).float()
     return ((x * rms) * weight.float()).to(torch.bfloat16)
 
 
