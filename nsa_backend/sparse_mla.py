@@ -280,10 +280,16 @@ def sparse_mla_decode(
         extra_kv_cache, extra_indices, extra_topk_length, kv_format, dims, dev)
     name = resolve_impl("sparse_mla_decode", impl, {
         "device": dev, "num_heads": dims["h_q"], "d_qk": dims["d_qk"], "topk": dims["topk"], "s_q": dims["s_q"],
-        "kv_format": kv_format, "page_size": kv_cache.shape[1]})
+        "kv_format": kv_format, "page_size": kv_cache.shape[1],
+        "kv_cache_aligned": _pages_aligned(kv_cache) and (extra_kv_cache is None or _pages_aligned(extra_kv_cache))})
     return _sparse_decode_op(q.contiguous(), kv_cache, indices.contiguous(), float(sm_scale), d_v, kv_format,
                              attn_sink, topk_length, kv_scale_format, extra_kv_cache, extra_indices,
                              extra_topk_length, name)
+
+
+def _pages_aligned(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` starts at a 16-byte aligned address and its pages are a multiple of 16 bytes apart."""
+    return cache.data_ptr() % 16 == 0 and (cache.stride(0) * cache.element_size()) % 16 == 0
 
 
 def _check_extra(extra_kv_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,

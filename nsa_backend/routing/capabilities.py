@@ -118,7 +118,22 @@ class MultipleOf:
         return f"a multiple of {self.n}" + (f" <= {self.hi}" if self.hi is not None else "")
 
 
-Constraint = OneOf | Range | MultipleOf
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """The feature must be ``True``; ``meaning`` says what it stands for. A call that does not report the
+    feature (``plan``, the frameworks' own per-call routes, whose buffers always qualify) is assumed to
+    have it; the public ops report it from their tensors."""
+
+    meaning: str
+
+    def check(self, value: Any) -> bool:
+        return value is True
+
+    def describe(self) -> str:
+        return f"True ({self.meaning})"
+
+
+Constraint = OneOf | Range | MultipleOf | Flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +195,10 @@ SM120 = ("sm120", "sm121")
 _IDX_HEAD_DIM = OneOf((32, 64, 128))
 _SM90_HEADS = OneOf((32, 64), pad=True)
 _DG = {"package": "deep_gemm"}
+# FlashMLA's decode reads pages with TMA, which addresses memory in 16-byte units; other page strides
+# give wrong keys (H200: DeepSeek-V4 decode over pages spaced 40 bytes apart failed the GPU fuzz).
+_TMA_ALIGNED = Flag("kv_cache and extra_kv_cache start at 16-byte aligned addresses with page strides "
+                    "that are multiples of 16 bytes")
 # DeepGEMM SM100 indexer head counts per release band [min, max): 2.2 - 2.3 (Nov 2025 - Jan 2026)
 # failed to compile for H < 52, 2.4 - 2.5 assert H in {32, 64}, 2.6 adds 8 and 16.
 _SM100_HEAD_BANDS: tuple[tuple[str | None, str | None, tuple[int, ...], str], ...] = (
@@ -306,13 +325,13 @@ TABLE: tuple[Support, ...] = (
     # FlashMLA sparse decode over the 656-byte fp8_ds_mla cache.
     _row("sparse_mla_decode", "flash_mla", (*SM90, *SM100), package="flash_mla",
          num_heads=OneOf((64, 128), pad=True), d_qk=OneOf((576,)), kv_format=OneOf(("fp8_ds_mla",)),
-         page_size=OneOf((64,))),
+         page_size=OneOf((64,)), kv_cache_aligned=_TMA_ALIGNED),
     # FlashMLA DeepSeek-V4 sparse decode over the 584-byte fp8_ds_mla_v4 cache (with the extra key list):
     # d_qk 512, h_q 64 / 128 (fewer heads padded, as vLLM's DeepseekV4 FlashMLA attention pads them),
     # the format's page sizes 64 and 256.
     _row("sparse_mla_decode", "flash_mla", (*SM90, *SM100), package="flash_mla",
          num_heads=OneOf((64, 128), pad=True), d_qk=OneOf((512,)), kv_format=OneOf(("fp8_ds_mla_v4",)),
-         page_size=OneOf((64, 256))),
+         page_size=OneOf((64, 256)), kv_cache_aligned=_TMA_ALIGNED),
     # FlashInfer sparse MLA decode for SM120 / SM121 (trtllm_batch_decode_with_kv_cache_mla with
     # sparse_mla_top_k): page 64, its (heads, topk) buckets, decode-sized calls only.
     _row("sparse_mla_decode", "flashinfer", SM120, package="flashinfer", min_version="0.6.18",
@@ -574,6 +593,8 @@ def _check_row(row: Support, features: Mapping[str, Any]) -> tuple[str | None, d
     padded: dict[str, Any] = {}
     for name, constraint in row.where:
         if name not in features or features[name] is None:
+            if isinstance(constraint, Flag):
+                continue
             return f"{name} unknown (the call did not report it)", padded
         value = features[name]
         if not constraint.check(value):

@@ -239,6 +239,42 @@ def test_router_sends_v4_to_flash_mla_or_its_own_triton_kernel(arch, expected):
     assert nb._dispatch.get_impl("sparse_mla_decode", "triton").__module__.endswith(".sparse_mla_decode")
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_misaligned_pages_stay_off_flash_mla(arch):
+    """FlashMLA reads pages with TMA (16-byte units): a cache whose pages are not 16-byte aligned goes to
+    Triton under auto and is refused by name; a call that does not report the alignment (``plan``, the
+    frameworks' routes) is assumed aligned."""
+    natives = {"flash_mla": caps.NativeStatus("flash_mla", True, "1.0.0")}
+    assert router.decide("sparse_mla_decode", "auto", arch, {**FEATURES, "kv_cache_aligned": True},
+                         natives=natives).impl == "flash_mla"
+    odd = {**FEATURES, "kv_cache_aligned": False}
+    assert router.decide("sparse_mla_decode", "auto", arch, odd, natives=natives).impl == "triton"
+    with pytest.raises(ValueError, match=r"kv_cache_aligned=False is not True \(kv_cache and extra_kv_cache start "
+                                         r"at 16-byte aligned addresses"):
+        router.decide("sparse_mla_decode", "flash_mla", arch, odd, natives=natives)
+
+
+@pytest.mark.parametrize(("pad", "extra_pad", "aligned"), [(0, 0, True), (40, 0, False), (584, 0, False),
+                                                           (16, 0, True), (0, 8, False)])
+def test_public_op_reports_page_alignment(monkeypatch, pad, extra_pad, aligned):
+    """The public decode reports ``kv_cache_aligned`` from both caches' addresses and page strides."""
+    seen = {}
+
+    def resolve(op, impl, features):
+        seen.update(features)
+        return "reference"
+
+    monkeypatch.setattr(nb.sparse_mla, "resolve_impl", resolve)
+    gen = torch.Generator().manual_seed(0)
+    main = _fuzz_cache(2, 64, gen, pad=pad, device="cpu")
+    extra = _fuzz_cache(2, 64, gen, pad=extra_pad, device="cpu")
+    q = torch.randn(1, 1, 2, 512).bfloat16()
+    idx = torch.zeros(1, 1, 8, dtype=torch.int32)
+    nb.sparse_mla_decode(q, main, idx, 0.05, kv_format=V4, extra_kv_cache=extra,
+                         extra_indices=torch.zeros(1, 1, 4, dtype=torch.int32))
+    assert seen["kv_cache_aligned"] is aligned
+
+
 def test_native_decode_kernels_outside_their_v4_support_refuse():
     """FlashInfer reads no V4 cache; FlashMLA's V4 decode has no SM120 kernel."""
     natives = {"flash_mla": caps.NativeStatus("flash_mla", True, "1.0.0"),
@@ -394,4 +430,9 @@ def test_fuzz_flash_mla_v4_decode_gpu(shard):
     lengths) against the reference on the same fuzz cases, where the GPU and the installed package serve it."""
     pytest.importorskip("flash_mla")
     for c in fuzz_cases()[shard::FUZZ_SHARDS]:
+        if rng_pad(c) % 16:  # pages FlashMLA's TMA cannot address: refused by name (auto takes Triton)
+            q, main, idx, kw = fuzz_inputs(c, "cuda")
+            with pytest.raises(ValueError, match="kv_cache_aligned=False"):
+                nb.sparse_mla_decode(q, main, idx, c.sm_scale, impl="flash_mla", **kw)
+            continue
         _fuzz_check(c, "cuda", impl="flash_mla")
