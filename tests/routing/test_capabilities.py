@@ -7,7 +7,7 @@ import torch
 
 from nsa_backend.routing import capabilities as caps
 from nsa_backend.routing import device as route_device
-from nsa_backend.routing.capabilities import MultipleOf, NativeStatus, OneOf, Range, evaluate
+from nsa_backend.routing.capabilities import Flag, MultipleOf, NativeStatus, OneOf, Range, evaluate
 from nsa_backend.routing.device import ARCH_FAMILIES
 
 from .conftest import ALL_NATIVES
@@ -24,7 +24,7 @@ def test_table_is_well_formed():
         assert row.archs and row.archs <= set(ARCH_FAMILIES) - {"cpu"}, row
         assert (row.package is not None) == (row.impl in caps.NATIVE_IMPLS), row
         for name, constraint in row.where:
-            assert isinstance(name, str) and isinstance(constraint, (OneOf, Range, MultipleOf)), row
+            assert isinstance(name, str) and isinstance(constraint, (OneOf, Range, MultipleOf, Flag)), row
 
 
 def test_triton_rows_cover_every_gpu():
@@ -42,6 +42,9 @@ def test_constraints():
     assert Range(1, 64).check(64) and not Range(1, 64).check(65) and not Range(1, 64).check("x")
     assert MultipleOf(64).check(128) and not MultipleOf(64).check(96) and not MultipleOf(64).check(0)
     assert "zero-padded" in heads.describe()
+    flag = Flag("pages 16-byte aligned")
+    assert flag.check(True) and not flag.check(False) and not flag.check(1)
+    assert flag.describe() == "True (pages 16-byte aligned)"
 
 
 def test_parse_version():
