@@ -108,6 +108,26 @@ def _init_weights(layer: torch.nn.Module, gen: torch.Generator) -> None:
             param.copy_(values.to(param.dtype))
 
 
+def schedule_tokens(hidden: list[torch.Tensor], gen: torch.Generator, hidden_size: int,
+                    schedule: list[tuple[int, int]]) -> tuple[Step, list[int], torch.Tensor, torch.Tensor]:
+    """New random hidden states for ``(request, new tokens)`` pairs, appended to ``hidden``: the step,
+    its requests, their query start locations and sequence lengths."""
+    token_request, token_position, new_rows, query_lens = [], [], [], []
+    for r, n in schedule:
+        start = hidden[r].shape[0]
+        new = torch.randn(n, hidden_size, generator=gen).to(torch.bfloat16)
+        hidden[r] = torch.cat([hidden[r], new])
+        token_request += [r] * n
+        token_position += list(range(start, start + n))
+        new_rows.append(new)
+        query_lens.append(n)
+    requests = [r for r, _ in schedule]
+    qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+    seq_lens = torch.tensor([hidden[r].shape[0] for r in requests], dtype=torch.int32)
+    return Step(token_request, token_position, torch.cat(new_rows)), requests, qsl, seq_lens
+
+
 class LayerEngine:
     """The DeepSeek-V4 sliding-window attention layer vLLM's selector picks, with its SWA cache."""
 
@@ -148,27 +168,16 @@ class LayerEngine:
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        token_request, token_position, hidden, query_lens = [], [], [], []
-        for r, n in schedule:
-            start = self.hidden[r].shape[0]
-            new = torch.randn(n, self.hf_config.hidden_size, generator=self.gen).to(torch.bfloat16)
-            self.hidden[r] = torch.cat([self.hidden[r], new])
-            token_request += [r] * n
-            token_position += list(range(start, start + n))
-            hidden.append(new)
-            query_lens.append(n)
-        step = Step(token_request, token_position, torch.cat(hidden))
-        requests = [r for r, _ in schedule]
-        qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
-        seq_lens = torch.tensor([self.hidden[r].shape[0] for r in requests], dtype=torch.int32)
+        step, requests, qsl, seq_lens = schedule_tokens(self.hidden, self.gen, self.hf_config.hidden_size, schedule)
+        token_request, token_position = step.token_request, step.token_position
         block_table = torch.zeros(len(requests), MAX_MODEL_LEN // PAGE, dtype=torch.int32)
         for i, r in enumerate(requests):
             block_table[i, : len(self.blocks[r])] = torch.tensor(self.blocks[r], dtype=torch.int32)
         slots = torch.tensor([self.slot(r, p) for r, p in zip(token_request, token_position)], dtype=torch.int64)
         common = CommonAttentionMetadata(
             query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(requests),
-            num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+            num_actual_tokens=int(qsl[-1]), max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            max_seq_len=int(seq_lens.max()),
             block_table_tensor=block_table, slot_mapping=slots, seq_lens_cpu_upper_bound=seq_lens.clone(),
         )
         prefix = self.layer.swa_cache_layer.prefix
@@ -419,20 +428,8 @@ class CompressedLayerEngine:
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        token_request, token_position, hidden, query_lens = [], [], [], []
-        for r, n in schedule:
-            start = self.hidden[r].shape[0]
-            new = torch.randn(n, self.hf_config.hidden_size, generator=self.gen).to(torch.bfloat16)
-            self.hidden[r] = torch.cat([self.hidden[r], new])
-            token_request += [r] * n
-            token_position += list(range(start, start + n))
-            hidden.append(new)
-            query_lens.append(n)
-        step = Step(token_request, token_position, torch.cat(hidden))
-        requests = [r for r, _ in schedule]
-        qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
-        seq_lens = torch.tensor([self.hidden[r].shape[0] for r in requests], dtype=torch.int32)
+        step, requests, qsl, seq_lens = schedule_tokens(self.hidden, self.gen, self.hf_config.hidden_size, schedule)
+        token_request, token_position = step.token_request, step.token_position
         positions = torch.tensor(token_position, dtype=torch.int64)
         metadata, slot_mappings = {}, {}
         for group in self.groups.values():
@@ -443,7 +440,8 @@ class CompressedLayerEngine:
             slots = torch.tensor([group.slot(r, p) for r, p in zip(token_request, token_position)], dtype=torch.int64)
             common = CommonAttentionMetadata(
                 query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(requests),
-                num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+                num_actual_tokens=int(qsl[-1]), max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            max_seq_len=int(seq_lens.max()),
                 block_table_tensor=block_table, slot_mapping=slots, seq_lens_cpu_upper_bound=seq_lens.clone(),
                 positions=positions,
             )
