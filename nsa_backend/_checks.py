@@ -60,7 +60,7 @@ def check_tensor(
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if dtype is not None:
+    if dtype is not None and x.dtype is not dtype:  # dtypes are singletons: the common case is one identity test
         accepted = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if x.dtype not in accepted:
             raise TypeError(f"{name}: expected dtype {_fmt_dtypes(accepted)}, got {_fmt_dtypes([x.dtype])}")
@@ -85,8 +85,10 @@ def check_tensor(
                                      f"earlier argument), got {tuple(x.shape)} (dim {axis} is {got})")
             elif want != got:
                 raise ValueError(f"{name}: expected shape {_fmt_shape(shape, dims)}, got {tuple(x.shape)}")
-    if device is not None and not _same_device(x.device, device):
-        raise ValueError(f"{name}: expected a tensor on {device}, got one on {x.device}")
+    if device is not None:
+        here = x.device
+        if here != device and not _same_device(here, device):  # equal devices (the common case) compare in C
+            raise ValueError(f"{name}: expected a tensor on {device}, got one on {here}")
     if contiguous and not x.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(x.stride())} "
                          f"for shape {tuple(x.shape)}")

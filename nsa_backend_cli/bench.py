@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 # nsa_backend.bench.FAMILIES, spelled out so the parser imports no torch (a test keeps them equal)
-FAMILIES: tuple[str, ...] = ("indexer", "topk", "sparse_mla", "mhc", "eager", "peers")
+FAMILIES: tuple[str, ...] = ("indexer", "topk", "sparse_mla", "mhc", "v4", "eager", "peers")
 # nsa_backend.bench.proxy.PROXY_ARCHS, likewise spelled out
 PROXY_ARCHS: tuple[str, ...] = ("sm80", "sm86", "sm89", "sm120", "sm121")
 
