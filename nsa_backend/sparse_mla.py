@@ -288,8 +288,11 @@ def sparse_mla_decode(
 
 
 def _pages_aligned(cache: torch.Tensor) -> bool:
-    """Whether ``cache`` starts at a 16-byte aligned address and its pages are a multiple of 16 bytes apart."""
-    return cache.data_ptr() % 16 == 0 and (cache.stride(0) * cache.element_size()) % 16 == 0
+    """Whether ``cache`` starts at a 16-byte aligned address and its pages are a multiple of 16 bytes apart.
+    While ``torch.compile`` traces there is no address: the strides decide (allocations are aligned)."""
+    if (cache.stride(0) * cache.element_size()) % 16:
+        return False
+    return torch.compiler.is_compiling() or cache.data_ptr() % 16 == 0
 
 
 def _check_extra(extra_kv_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
