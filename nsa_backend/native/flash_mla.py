@@ -59,17 +59,11 @@ def _module() -> ModuleType:
 
 
 @functools.cache
-def _has_use_legacy(func_name: str) -> bool:
+def _accepts(func_name: str, parameter: str) -> bool:
+    """Whether the installed FlashMLA's ``func_name`` takes ``parameter`` (sgl-flash-mla's ``use_legacy``,
+    ``kv_format``; upstream FlashMLA has neither)."""
     try:
-        return "use_legacy" in inspect.signature(getattr(_module(), func_name)).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-@functools.cache
-def _has_kv_format(func_name: str) -> bool:
-    try:
-        return "kv_format" in inspect.signature(getattr(_module(), func_name)).parameters
+        return parameter in inspect.signature(getattr(_module(), func_name)).parameters
     except (TypeError, ValueError):
         return False
 
@@ -80,7 +74,7 @@ def _device_major(device: torch.device) -> int:
 
 def legacy_kwargs(func_name: str, d_qk: int, device: torch.device, fp8_cache: bool = False) -> dict[str, Any]:
     """``{"use_legacy": True}`` when the installed FlashMLA needs it for this call, else ``{}``."""
-    if not _has_use_legacy(func_name):
+    if not _accepts(func_name, "use_legacy"):
         return {}
     use_legacy = fp8_cache or d_qk != 512 or _device_major(device) == 9
     return {"use_legacy": True} if use_legacy else {}
@@ -201,7 +195,7 @@ def sparse_mla_decode(
         attn_sink = _pad_dim(attn_sink, 0, target)
     # Both caches are legacy formats in sgl-flash-mla (its current kernels read V4.1's 528-byte rows only).
     kwargs = legacy_kwargs("flash_mla_with_kvcache", d_qk, q.device, fp8_cache=True)
-    if v4 and kwargs and _has_kv_format("flash_mla_with_kvcache"):
+    if v4 and kwargs and _accepts("flash_mla_with_kvcache", "kv_format"):
         # Named rather than detected from the row size, so a layout mix-up is FlashMLA's error, not a wrong read.
         kwargs["kv_format"] = "V4"
     extra_kwargs: dict[str, Any] = {}

@@ -392,12 +392,12 @@ def flash_mla_module(monkeypatch):
         mod = _make_flash_mla(with_legacy)
         _install(monkeypatch, "flash_mla", mod, "1.0.0")
         fm_wrap._module.cache_clear()
-        fm_wrap._has_use_legacy.cache_clear()
+        fm_wrap._accepts.cache_clear()
         fm_wrap.clear_decode_schedules()
         return mod
     yield install
     fm_wrap._module.cache_clear()
-    fm_wrap._has_use_legacy.cache_clear()
+    fm_wrap._accepts.cache_clear()
     fm_wrap.clear_decode_schedules()
 
 
@@ -549,8 +549,7 @@ def test_flash_mla_v4_decode_translation(monkeypatch, on_arch, extra, legacy):
     mod = _make_flash_mla_v4(legacy)
     _install(monkeypatch, "flash_mla", mod, "1.0.0")
     fm_wrap._module.cache_clear()
-    fm_wrap._has_use_legacy.cache_clear()
-    fm_wrap._has_kv_format.cache_clear()
+    fm_wrap._accepts.cache_clear()
     fm_wrap.clear_decode_schedules()
     on_arch("sm90")
     gen = torch.Generator().manual_seed(3)
@@ -581,8 +580,7 @@ def test_flash_mla_v4_decode_translation(monkeypatch, on_arch, extra, legacy):
     else:
         assert call["extra_cache"] is None and call["extra_indices"] is None
     fm_wrap._module.cache_clear()
-    fm_wrap._has_use_legacy.cache_clear()
-    fm_wrap._has_kv_format.cache_clear()
+    fm_wrap._accepts.cache_clear()
     fm_wrap.clear_decode_schedules()
 
 
