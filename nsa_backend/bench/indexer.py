@@ -9,7 +9,11 @@ Shapes (full mode; quick mode keeps the smallest of each):
 - paged ``fp8_paged_mqa_logits``: ``B = 128`` requests of ``L`` in {4K, 8K, 16K, 32K, 64K}
   tokens, ``next_n`` in {1, 2}, ``H = 64``, ``D = 128``, page 64, pages in random order. The rate
   is bytes of the KV cache read (``B * L * (D + 4)``) per second; ``vs_copy`` divides it by the
-  device-to-device copy rate (bytes read + written) measured in the same run. ``read_kv`` (and
+  device-to-device copy rate (bytes read + written) measured in the same run. The op is bounded by
+  both that rate and the fp8 matmul rate (``2 * H * D`` = 16384 useful FLOPs per visible (row, key)
+  pair against 132 bytes per key, :func:`nsa_backend.bench.roofline.paged_logits_flops`): its rows
+  carry TFLOP/s, ``of_copy``, ``of_fp8_mm`` and ``of_roofline``, the larger of the two, their share
+  of what a kernel at both limits would reach. ``read_kv`` (and
   ``read_kv-graph``) is a pure read of the same pages in the same order, timed the same way: no
   kernel that reads the cache once can be faster at that size, so ``vs_read_kv`` of a Triton row
   (the read's time over the row's) is its share of the attainable speed. At 4K the read itself
@@ -17,6 +21,10 @@ Shapes (full mode; quick mode keeps the smallest of each):
   ``read_kv_logits`` (and ``-graph``) reads the same pages and also writes the op's output, the
   ``[B, next_n, L]`` fp32 logits (zeros): the least traffic of any implementation of the op, so
   ``vs_read_kv_logits`` is the share of what a kernel that does no arithmetic at all would reach.
+  ``tile_hot-graph`` is the Triton kernel with every request's block table pointing at the same
+  ``HOT_PAGES`` pages, which stay in L2: the kernel's own speed with no DRAM traffic, so
+  ``vs_tile_hot-graph`` of the graph row is how much of its time the cache reads add, and
+  ``of_fp8_mm`` of the hot row is the kernel's share of the fp8 matmul rate.
 
 Baselines: ``torch``, a vectorised plain-torch implementation (dequantise + bf16 matmul, chunked
 over keys) of the kind that runs where no native kernel exists (SM120 today), and ``deep_gemm``
@@ -34,10 +42,13 @@ import triton.language as tl
 
 import nsa_backend as nb
 from nsa_backend.bench import proxy
+from nsa_backend.bench.roofline import paged_logits_flops
 from nsa_backend.bench.timing import bench_ms, gbps, tflops
 
 FP8 = torch.float8_e4m3fn
 FAMILY = "indexer"
+# Pages every request of the ``tile_hot`` rows reads (34 KB at D 128: resident in L2).
+HOT_PAGES = 4
 WARMUP_MS, REP_MS = 10.0, 40.0
 
 
@@ -231,9 +242,12 @@ def _paged_rows(B: int, L: int, next_n: int, H: int, D: int, copy_rate: float | 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     meta = nb.get_paged_mqa_logits_metadata(ctx, 64, num_sms, impl="triton")
     kv_bytes = float(B * L * (D + 4))
+    flops = float(paged_logits_flops(B, L, next_n, H, D))
+    # Both limits bound the op: the runner adds of_copy, of_fp8_mm and of_roofline.
+    both = ["copy_gbps", "fp8_tflops"]
     ms, note = _time(lambda: nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, L, impl="triton"))
     kv_rate = kv_bytes / ms / 1e6 if ms else None
-    rows = [_row("fp8_paged_mqa_logits", shape, "triton", ms, None, kv_bytes, limit=["copy_gbps"], note=note,
+    rows = [_row("fp8_paged_mqa_logits", shape, "triton", ms, flops, kv_bytes, limit=both, note=note,
                  vs_copy=(kv_rate / copy_rate) if (kv_rate and copy_rate) else None)]
     # Decode runs inside CUDA graphs in SGLang and vLLM: the replay time is the served cost.
     g_ms, g_note = _time(lambda: nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, L, impl="triton"), graph=True)
@@ -246,9 +260,16 @@ def _paged_rows(B: int, L: int, next_n: int, H: int, D: int, copy_rate: float | 
     rl_ms, rl_note = _time(lambda: read_kv_pages(cache, table, logits))
     rlg_ms, rlg_note = _time(lambda: read_kv_pages(cache, table, logits), graph=True)
     rows[0]["ratios"].update({**_vs_read(r_ms, ms), **_vs_read(rl_ms, ms, "vs_read_kv_logits")})
-    rows.append(_row("fp8_paged_mqa_logits", shape, "triton-graph", g_ms, None, kv_bytes, limit=["copy_gbps"],
+    rows.append(_row("fp8_paged_mqa_logits", shape, "triton-graph", g_ms, flops, kv_bytes, limit=both,
                      note=g_note, vs_copy=(g_rate / copy_rate) if (g_rate and copy_rate) else None,
                      **_vs_read(rg_ms, g_ms), **_vs_read(rlg_ms, g_ms, "vs_read_kv_logits")))
+    # The kernel alone: every request reads the same HOT_PAGES pages, which stay in L2 (no DRAM traffic).
+    hot_table = (torch.arange(table.shape[1], device=table.device, dtype=torch.int32) % HOT_PAGES).expand_as(
+        table).contiguous()
+    h_ms, h_note = _time(lambda: nb.fp8_paged_mqa_logits(q, cache, w, ctx, hot_table, meta, L, impl="triton"),
+                         graph=True)
+    rows.append(_row("fp8_paged_mqa_logits", shape, "tile_hot-graph", h_ms, flops, None, limit=["fp8_tflops"],
+                     note=h_note))
     for impl, t, n in (("read_kv", r_ms, r_note), ("read_kv-graph", rg_ms, rg_note),
                        ("read_kv_logits", rl_ms, rl_note), ("read_kv_logits-graph", rlg_ms, rlg_note)):
         rate = kv_bytes / t / 1e6 if t else None
@@ -260,7 +281,7 @@ def _paged_rows(B: int, L: int, next_n: int, H: int, D: int, copy_rate: float | 
     if dg is not None:
         dg_meta = dg.get_paged_mqa_logits_metadata(ctx, 64, num_sms)
         baselines["deep_gemm"] = lambda: dg.fp8_paged_mqa_logits(q, cache, w, ctx, table, dg_meta, L, False)
-    rows += _baseline_rows("fp8_paged_mqa_logits", shape, baselines, ms, None, kv_bytes)
+    rows += _baseline_rows("fp8_paged_mqa_logits", shape, baselines, ms, flops, kv_bytes)
     meta_ms, _ = _time(lambda: nb.get_paged_mqa_logits_metadata(ctx, 64, num_sms, impl="triton"))
     rows.append(_row("get_paged_mqa_logits_metadata", {"B": B, "num_sms": num_sms}, "triton", meta_ms))
     return rows
@@ -308,6 +329,7 @@ def sweep(quick: bool = False) -> list[dict[str, Any]]:
         B, L, H, D = 128, 16384 if quick else 32768, 64, 128
         q, cache, w, ctx, table = paged_inputs(B, L, next_n, H, D)
         kv_bytes = float(B * L * (D + 4))
+        flops = float(paged_logits_flops(B, L, next_n, H, D))
         cols = 64 * next_n
         for bn, warps, st, ahead in ((64, 4, 6, True), (64, 4, 6, False), (64, 4, 4, True), (64, 4, 8, True),
                                      (128, 4, 6, True), (64, 8, 6, True)):
@@ -318,7 +340,7 @@ def sweep(quick: bool = False) -> list[dict[str, Any]]:
                 ms, note = _time(lambda cfg=cfg, chunk=chunk, a=(q, cache, w, ctx, table, None, L):
                                  ki.fp8_paged_mqa_logits_triton(*a, config=cfg, chunk=chunk))
                 rows.append(_row("fp8_paged_mqa_logits", {"B": B, "context": L, "next_n": next_n, "H": H},
-                                 f"triton[{cfg}, chunk={chunk}]", ms, None, kv_bytes, note=note))
+                                 f"triton[{cfg}, chunk={chunk}]", ms, flops, kv_bytes, note=note))
     return rows
 
 

@@ -50,6 +50,7 @@ import torch
 
 import nsa_backend as nb
 from nsa_backend.bench import peers_sglang as sg
+from nsa_backend.bench.roofline import paged_logits_flops
 from nsa_backend.bench.timing import bench_ms, gbps, tflops
 
 FAMILY = "peers"
@@ -301,10 +302,11 @@ def bench_paged(tree: sg.SglangTree, B: int, L: int, next_n: int, H: int, D: int
                                        meta, L, impl="triton")
 
     nbytes = float(B * L * (D + 4))
+    flops = float(paged_logits_flops(B, L, next_n, H, D))
     graph = device.type == "cuda"
     want = ours()
     ms, note = _time(ours, graph)
-    rows = [_row(op, shape, "triton-graph" if graph else "triton", ms, None, nbytes, note=note)]
+    rows = [_row(op, shape, "triton-graph" if graph else "triton", ms, flops, nbytes, note=note)]
     # row b (next_n = 1) sees keys [0, L)
     valid = torch.arange(L, device=device)[None, :] < a["context_lens"][:, None]
     for impl in impls:
@@ -315,7 +317,7 @@ def bench_paged(tree: sg.SglangTree, B: int, L: int, next_n: int, H: int, D: int
         rows.append(_peer_row(
             op, shape, impl, sg.PEERS[(op, impl)],
             lambda fn=fn: fn(a["q"], a["kv_cache"], a["weights"], a["context_lens"], a["block_table"], L),
-            lambda got: compare_logits(got, want, valid), graph, None, nbytes))
+            lambda got: compare_logits(got, want, valid), graph, flops, nbytes))
     return rows
 
 

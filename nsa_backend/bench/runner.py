@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from nsa_backend.bench import FAMILIES, builtin, proxy
+from nsa_backend.bench import FAMILIES, builtin, proxy, roofline
 from nsa_backend.bench.limits import LIMIT_KEYS, limit_sizes, measure_limits
 from nsa_backend.bench.schema import SCHEMA_VERSION, validate, validate_row
 from nsa_backend.routing.router import OP_FAMILY as ROUTE_FAMILY
@@ -75,7 +75,7 @@ OP_LIMITS: dict[str, tuple[str, ...]] = {
     "unpack_fp8_ds_mla": ("copy_gbps",),
     "write_fp8_ds_mla_cache": ("copy_gbps",),
     "fp8_fp4_mqa_logits": ("fp8_tflops",),
-    "fp8_fp4_paged_mqa_logits": ("copy_gbps",),
+    "fp8_fp4_paged_mqa_logits": ("fp8_tflops", "copy_gbps"),
     "write_fp8_ds_mla_v4_cache": ("copy_gbps",),
     "tf32_hc_prenorm_gemm": ("copy_gbps",),
 }
@@ -161,6 +161,9 @@ def compute_ratios(rows: Sequence[dict[str, Any]], limits: dict[str, float | Non
     - ``vs_<impl>``: for rows of our implementations, ``ms of <impl> / ms of this row`` on the same
       family, op and shape: how many times faster than ``<impl>`` (``> 1`` is faster). Eager rows are
       compared with eager rows, CUDA-graph rows (``*-graph``) with CUDA-graph rows.
+    - ``of_roofline``: for rows that got both a memory (``of_copy``) and one compute (``of_bf16_mm`` or
+      ``of_fp8_mm``) ratio, the larger of the two (:func:`nsa_backend.bench.roofline.of_roofline`):
+      the row's time as a share of the time a kernel at the measured limits would need.
     """
     ours = set(ours)
     groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
@@ -185,6 +188,9 @@ def compute_ratios(rows: Sequence[dict[str, Any]], limits: dict[str, float | Non
         for name, value in (row.get("ratios") or {}).items():
             if value is not None or name not in ratios:
                 ratios[name] = value
+        share = roofline.of_roofline(ratios)
+        if share is not None and ratios.get("of_roofline") is None:
+            ratios["of_roofline"] = share
         out.append({**row, "ratios": ratios})
     return out
 

@@ -20,6 +20,13 @@ FlashMLA (``flash_mla`` package, ``use_legacy=True`` where it takes that argumen
 row is named ``flash_mla_pad64``. ``ratios["vs_flash_mla"]`` is FlashMLA's time over ours (> 1:
 ours is faster). The reference runs only in quick mode (it is far slower).
 
+Decode also times two rows of the same Triton kernel whose keys cost nothing to fetch (``tile_hot_fp8``,
+``tile_hot_bf16``): every row's top-k cycles over the ``HOT_SLOTS`` tokens of one page, which stay in
+the L1 / L2 caches, of the fp8 cache or of a bf16 cache. They time the attention tile alone (its
+MMAs, softmax, shared-memory traffic and, for fp8, the e4m3 conversion) at the same shape, so the
+Triton row's ``vs_tile_hot_*`` says how much of its time the key gather takes; ``of_bf16_mm`` of a hot
+row is the tile's own share of the matmul rate.
+
 Decode also times the public op ``nsa_backend.sparse_mla_decode`` with ``impl="auto"`` (row
 ``auto``, its note names the route): what a framework integration gets, argument checks, routing,
 native wrappers and every launch included (in a CUDA graph, so only the GPU side counts).
@@ -177,6 +184,24 @@ def decode_inputs(B: int, s_q: int, h_q: int, topk: int, device: torch.device) -
     return dict(q=q, kv_cache=cache, indices=idx, sm_scale=D_QK**-0.5)
 
 
+# Tokens the hot-key rows cycle over: one page, small enough to stay in L1 / L2.
+HOT_SLOTS = PAGE
+
+
+def hot_key_inputs(a: dict[str, Any], kv_format: str) -> dict[str, Any]:
+    """Decode arguments like ``a`` (from :func:`decode_inputs`) whose every top-k list cycles over the
+    ``HOT_SLOTS`` tokens of one page: of ``a``'s fp8 cache, or of a one-page bf16 cache."""
+    B, s_q, topk = a["indices"].shape
+    device = a["q"].device
+    idx = (torch.arange(topk, device=device, dtype=torch.int32) % HOT_SLOTS).expand(B, s_q, topk).contiguous()
+    if kv_format == "fp8_ds_mla":
+        cache = a["kv_cache"]
+    else:
+        g = torch.Generator(device="cpu").manual_seed(1)
+        cache = torch.randn(1, PAGE, 1, D_QK, generator=g).to(device=device, dtype=torch.bfloat16)
+    return dict(q=a["q"], kv_cache=cache, indices=idx, sm_scale=a["sm_scale"], kv_format=kv_format)
+
+
 def _pad_heads(x: torch.Tensor, dim: int, target: int) -> torch.Tensor:
     if x.shape[dim] >= target:
         return x
@@ -322,6 +347,13 @@ def bench_decode(
             note,
         ),
     )
+    # the attention tile alone: keys from one hot page, no DRAM traffic for them
+    for fmt, impl in (("fp8_ds_mla", "tile_hot_fp8"), ("bf16", "tile_hot_bf16")):
+        hot = hot_key_inputs(a, fmt)
+        extra = {"kv_scale_format": DECODE_SCALE_FORMAT} if fmt == "fp8_ds_mla" else {}
+        ms, h_note = _safe_ms(lambda hot=hot, extra=extra: sparse_mla_decode_triton(**hot, **extra), device,
+                              graph=True)
+        rows.append(_row("sparse_mla_decode", shape, impl, ms, flops, None, note=h_note))
     if with_reference:
         from nsa_backend.reference import sparse_mla_decode as ref
 

@@ -30,6 +30,7 @@ import torch
 import nsa_backend as nb
 from nsa_backend import reference as ref
 from nsa_backend.bench import proxy
+from nsa_backend.bench.roofline import paged_logits_flops
 from nsa_backend.bench.timing import bench_ms, gbps, tflops
 
 FAMILY = "v4"
@@ -122,6 +123,9 @@ def _paged_rows(B: int, L: int, next_n: int, H: int, device: torch.device, dg) -
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     meta = nb.get_paged_mqa_logits_metadata(a["ctx"], KV_PAGE, sms)
     nbytes = float(B * L * FP4_TOKEN_BYTES)
+    # Bounded by the copy rate and, at 64 heads, by the fp8 matmul rate: the runner adds of_roofline.
+    flops = float(paged_logits_flops(B, L, next_n, H, HEAD_DIM))
+    both = ["copy_gbps", "fp8_tflops"]
 
     def call(impl: str):
         return lambda: nb.fp8_fp4_paged_mqa_logits(a["q"], a["cache"], a["w"], a["ctx"], a["table"], meta, L,
@@ -132,13 +136,13 @@ def _paged_rows(B: int, L: int, next_n: int, H: int, device: torch.device, dg) -
     for impl in impls:
         for graph in ((False, True) if device.type == "cuda" else (False,)):
             ms, note = _time(call(impl), device, graph)
-            rows.append(_row(op, shape, impl + ("-graph" if graph else ""), ms, None, nbytes, limit=["copy_gbps"],
+            rows.append(_row(op, shape, impl + ("-graph" if graph else ""), ms, flops, nbytes, limit=both,
                              note=note))
     if dg is not None and hasattr(dg, op):
         dg_meta = dg.get_paged_mqa_logits_metadata(a["ctx"], KV_PAGE, sms)
         ms, note = _time(lambda: nb.fp8_fp4_paged_mqa_logits(a["q"], a["cache"], a["w"], a["ctx"], a["table"],
                                                              dg_meta, L, impl="deep_gemm"), device, True)
-        rows.append(_row(op, shape, "deep_gemm-graph", ms, None, nbytes, limit=["copy_gbps"], note=note))
+        rows.append(_row(op, shape, "deep_gemm-graph", ms, flops, nbytes, limit=both, note=note))
     return rows
 
 

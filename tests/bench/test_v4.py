@@ -15,8 +15,11 @@ def test_v4_family_rows_on_cpu():
         ("fp8_fp4_paged_mqa_logits", "reference"), ("fp8_fp4_mqa_logits", "reference"),
         ("write_fp8_ds_mla_v4_cache", "reference")]
     assert all(r["ms"] and r["ms"] > 0 and not r.get("note") for r in rows), rows
-    assert rows[0]["gbps"] and rows[1]["tflops"] and rows[2]["gbps"]
-    assert [r["limit"] for r in rows] == [["copy_gbps"], ["fp8_tflops"], ["copy_gbps"]]
+    assert rows[0]["gbps"] and rows[0]["tflops"] and rows[1]["tflops"] and rows[2]["gbps"]
+    assert [r["limit"] for r in rows] == [["copy_gbps", "fp8_tflops"], ["fp8_tflops"], ["copy_gbps"]]
+    # the paged logits are bound by both limits: the runner adds their roofline share
+    ratios = runner.compute_ratios(rows, {"copy_gbps": 1.0, "bf16_tflops": None, "fp8_tflops": 1.0})[0]["ratios"]
+    assert ratios["of_roofline"] == max(ratios["of_copy"], ratios["of_fp8_mm"])
 
 
 def test_v4_ops_select_the_v4_family():

@@ -24,8 +24,9 @@ ARCHS: tuple[int, ...] = (120, 121, 86)
 
 # (family, kind, arch) that spill today (bench/results/aot/resources.md), with why; their tests are strict
 # xfails, so that a fix (or a new spill elsewhere) shows up.
-_SPARSE_MLA = ("the 32-head tiles at 4 warps (fp8 dequantisation in the loop) exceed 255 registers per thread; ptxas "
-               "spills tens to hundreds of bytes (8 warps spill nothing but ran slower under the sm_120 proxy)")
+_SPARSE_MLA = ("the 32-head tiles at 4 warps hold four [32, 128] fp32 accumulators (128 registers) in every warp; with "
+               "the keys converted beside them ptxas spills tens to about 200 bytes (8 warps spill nothing but ran "
+               "slower under the sm_120 proxy; late group loads, not shipped, spill 4 B on sm_86 and 132 B on sm_120)")
 _MHC = "the 128-wide bf16x2 / bf16x3 GEMM tiles at 4 warps spill a few bytes"
 KNOWN_SPILLS: dict[tuple[str, str, int], str] = {
     **{("sparse_mla", "prefill", a): _SPARSE_MLA for a in (120, 121)},

@@ -241,17 +241,19 @@ def test_prefill_matches_reference(kw):
     run_prefill_case(a, str(kw))
 
 
-def test_prefill_idx_ahead_matches_reference():
-    """Indices read one iteration ahead: a partial last tile, topk_length and invalid keys."""
+@pytest.mark.parametrize("flags", [dict(idx_ahead=True), dict(late_groups=True)], ids=["idx_ahead", "late_groups"])
+def test_prefill_launch_options_match_reference(flags):
+    """Indices read one iteration ahead, or latent groups loaded late: a partial last tile, topk_length and
+    invalid keys."""
     from nsa_backend.configs.sparse_mla import AttnConfig
     from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
 
     a = prefill_case(3, 18, 576, 50, 45, 0.3, True, True, seed=4)
-    out, mx, lse = flash_mla_sparse_fwd_triton(**a, config=AttnConfig(16, 16, 4, 1, idx_ahead=True))
+    out, mx, lse = flash_mla_sparse_fwd_triton(**a, config=AttnConfig(16, 16, 4, 1, **flags))
     r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
-    _check_out("out", out, r_out, "idx_ahead", r_abs)
-    _check_stat("lse", lse, r_lse, "idx_ahead")
-    _check_stat("max_logits", mx, r_mx, "idx_ahead")
+    _check_out("out", out, r_out, str(flags), r_abs)
+    _check_stat("lse", lse, r_lse, str(flags))
+    _check_stat("max_logits", mx, r_mx, str(flags))
 
 
 def test_prefill_empty_rows():
@@ -304,6 +306,16 @@ DECODE_CPU = [
         s_q=2, h_q=5, topk=57, num_blocks=4, frac_invalid=0.2, sink=True, topk_len=True, pad_pages=True,
     ),
     _decode_param(
+        "fp8-late-groups-integer-split2-sink-topklen",
+        dict(num_splits=2, native_fp8=False, config=("late_groups",)),
+        s_q=2, h_q=6, topk=45, num_blocks=4, frac_invalid=0.25, sink=True, topk_len=True, pad_pages=True,
+    ),
+    _decode_param(
+        "bf16-late-groups-split2",
+        dict(num_splits=2, config=("late_groups",)),
+        h_q=4, topk=30, kv_format="bf16", scale_format="pow2", num_blocks=2, topk_len=True,
+    ),
+    _decode_param(
         "bf16-split2-padded",
         dict(num_splits=2),
         h_q=2, topk=24, kv_format="bf16", scale_format="pow2", num_blocks=2, sink=True, topk_len=True,
@@ -317,7 +329,8 @@ def test_decode_matches_reference(kw, launch):
     from nsa_backend.configs.sparse_mla import AttnConfig
 
     launch = dict(launch)
-    cfg = AttnConfig(16, 16, 4, 1, idx_ahead="idx_ahead" in launch.pop("config", ()))
+    flags = launch.pop("config", ())
+    cfg = AttnConfig(16, 16, 4, 1, idx_ahead="idx_ahead" in flags, late_groups="late_groups" in flags)
     a = decode_case(seed=2, **kw)
     run_decode_case(a, str(kw), config=cfg, **launch)
 
@@ -545,14 +558,16 @@ def test_decode_integer_fp8_path_gpu():
 
 @pytest.mark.gpu
 def test_idx_ahead_and_register_cap_gpu():
-    """The sm_90 tiles (indices read ahead, register caps) on every head count, whatever routing picks."""
+    """The sm_90 tiles (indices read ahead, register caps) and late group loads on every head count, whatever
+    routing picks."""
     from nsa_backend.configs.sparse_mla import AttnConfig
     from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
 
     rnd = random.Random(5)
-    dec_cfgs = [AttnConfig(16, 32, 4, 4, idx_ahead=True), AttnConfig(32, 32, 4, 3, idx_ahead=True)]
+    dec_cfgs = [AttnConfig(16, 32, 4, 4, idx_ahead=True), AttnConfig(32, 32, 4, 3, idx_ahead=True),
+                AttnConfig(32, 32, 4, 2, late_groups=True)]
     pre_cfgs = [AttnConfig(16, 32, 4, 3, maxnreg=128), AttnConfig(32, 64, 8, 2, maxnreg=128),
-                AttnConfig(16, 32, 4, 3, idx_ahead=True)]
+                AttnConfig(16, 32, 4, 3, idx_ahead=True), AttnConfig(32, 32, 4, 2, late_groups=True)]
     for i, c in enumerate(decode_fuzz_cases(8, seed=11)):
         cfg = dec_cfgs[i % len(dec_cfgs)]
         launch = {"config": cfg, "num_splits": rnd.choice([None, 1, 3])}

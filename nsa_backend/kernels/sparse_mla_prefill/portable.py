@@ -19,7 +19,9 @@ key indices), a block of ``BLOCK_H`` heads and one split of the key list:
 - ``IDX_AHEAD`` reads the indices of a tile one iteration ahead. With the index load in the same
   iteration the compiler keeps one key buffer and waits for every gather right before its MMAs;
   without it, the gather has no in-iteration dependency and is pipelined over ``num_stages``
-  buffers (for keys feeding the MMAs directly).
+  buffers (for keys feeding the MMAs directly);
+- each latent group is converted right before its ``q . k`` MMA. ``LATE_GROUPS`` also loads groups
+  1-3 there instead of with the rest of the key (fewer registers live, the loads issued later).
 
 Outputs: ``SPLIT=False`` writes the final bf16 ``out``, the natural-log ``lse`` (``+inf`` for a row
 without a valid key) and, when ``HAS_MAX``, ``max_logits``; ``attn_sink`` is applied here.
@@ -67,23 +69,27 @@ def _sparse_mla_mma(a, b):
 
 
 @triton.jit
+def _sparse_mla_group(p_row, m_n, G: tl.constexpr):
+    """Latent group ``G`` [BN, 128] of the key rows ``p_row`` as stored (zeros where ``m_n`` is off)."""
+    o_c = tl.arange(0, 128)
+    return tl.load(p_row[:, None] + (G * 128 + o_c[None, :]), mask=m_n[:, None], other=0)
+
+
+@triton.jit
 def _sparse_mla_gather(kv_ptr, b_idx, n_slots, page_size, stride_page, stride_row,
                        BLOCK_N: tl.constexpr, D_ROPE: tl.constexpr, KV_FP8: tl.constexpr):
-    """Raw keys of the slots ``b_idx`` [BN], as stored (no conversion).
+    """Raw keys of the slots ``b_idx`` [BN], as stored (no conversion), except latent groups 1-3.
 
-    Returns ``(m_n, r0, r1, r2, r3, s0, s1, s2, s3, rr)``: the valid-key mask [BN], the four latent
-    groups [BN, 128] (e4m3 bytes or bf16), their fp32 scales [BN] (FP8 cache; ones otherwise) and the
-    rope part [BN, D_ROPE] bf16. Invalid slots read as zeros and are never dereferenced.
+    Returns ``(m_n, p_row, r0, s0, s1, s2, s3, rr)``: the valid-key mask [BN], the key row pointers
+    [BN] (for :func:`_sparse_mla_group`), latent group 0 [BN, 128] (e4m3 bytes or bf16), the four
+    groups' fp32 scales [BN] (FP8 cache; ones otherwise) and the rope part [BN, D_ROPE] bf16.
+    Invalid slots read as zeros and are never dereferenced.
     """
     m_n = (b_idx >= 0) & (b_idx < n_slots)
     b_slot = tl.where(m_n, b_idx, 0).to(tl.int64)
     p_row = kv_ptr + (b_slot // page_size) * stride_page + (b_slot % page_size) * stride_row
-    o_c = tl.arange(0, 128)
     o_r = tl.arange(0, D_ROPE if D_ROPE > 0 else 16)
-    r0 = tl.load(p_row[:, None] + o_c[None, :], mask=m_n[:, None], other=0)
-    r1 = tl.load(p_row[:, None] + (128 + o_c[None, :]), mask=m_n[:, None], other=0)
-    r2 = tl.load(p_row[:, None] + (256 + o_c[None, :]), mask=m_n[:, None], other=0)
-    r3 = tl.load(p_row[:, None] + (384 + o_c[None, :]), mask=m_n[:, None], other=0)
+    r0 = _sparse_mla_group(p_row, m_n, 0)
     if KV_FP8:
         p_sc = (p_row + 512).to(tl.pointer_type(tl.float32))
         s0 = tl.load(p_sc, mask=m_n, other=0.0)
@@ -101,7 +107,7 @@ def _sparse_mla_gather(kv_ptr, b_idx, n_slots, page_size, stride_page, stride_ro
         rr = tl.load(p_rope[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0)
     else:
         rr = tl.zeros([BLOCK_N, 16], dtype=tl.bfloat16)
-    return m_n, r0, r1, r2, r3, s0, s1, s2, s3, rr
+    return m_n, p_row, r0, s0, s1, s2, s3, rr
 
 
 @triton.jit
@@ -150,7 +156,7 @@ def _sparse_mla_fwd_kernel(
     D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr,
-    IDX_AHEAD: tl.constexpr,
+    IDX_AHEAD: tl.constexpr, LATE_GROUPS: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
 ):
     # The 512 latent dims are handled as four groups of 128 (the fp8_ds_mla scale groups): four
@@ -203,17 +209,29 @@ def _sparse_mla_fwd_kernel(
         else:
             o_n = n0 + tl.arange(0, BLOCK_N)
             b_idx = tl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
-        (m_n, r0, r1, r2, r3, s0, s1, s2, s3, b_kr) = _sparse_mla_gather(
+        (m_n, p_row, r0, s0, s1, s2, s3, b_kr) = _sparse_mla_gather(
             kv_ptr, b_idx, n_slots, page_size, stride_page, stride_row, BLOCK_N, D_ROPE, KV_FP8)
-        # [BN, 128] x 4
+        if not LATE_GROUPS:
+            r1 = _sparse_mla_group(p_row, m_n, 1)
+            r2 = _sparse_mla_group(p_row, m_n, 2)
+            r3 = _sparse_mla_group(p_row, m_n, 3)
+        # Each group is converted right before its QK MMA, so that one converted group at a time is
+        # live next to the accumulators (all four converted first, ptxas spilled 336 B per thread
+        # in the 32-head fp8 decode on sm_120; 204 B this way).
+        # [BN, 128] keys, [BH, BN] scores
         b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE)
-        b_k1 = _sparse_mla_dequant(r1, s1, KV_FP8, FP8_NATIVE)
-        b_k2 = _sparse_mla_dequant(r2, s2, KV_FP8, FP8_NATIVE)
-        b_k3 = _sparse_mla_dequant(r3, s3, KV_FP8, FP8_NATIVE)
-        # [BH, BN]
         b_s = _sparse_mla_mma(b_q0, tl.trans(b_k0))
+        if LATE_GROUPS:
+            r1 = _sparse_mla_group(p_row, m_n, 1)
+        b_k1 = _sparse_mla_dequant(r1, s1, KV_FP8, FP8_NATIVE)
         b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
+        if LATE_GROUPS:
+            r2 = _sparse_mla_group(p_row, m_n, 2)
+        b_k2 = _sparse_mla_dequant(r2, s2, KV_FP8, FP8_NATIVE)
         b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
+        if LATE_GROUPS:
+            r3 = _sparse_mla_group(p_row, m_n, 3)
+        b_k3 = _sparse_mla_dequant(r3, s3, KV_FP8, FP8_NATIVE)
         b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
         if D_ROPE > 0:
             # [BN, 64]
