@@ -199,6 +199,36 @@ def _compile_logged(src: Any, target: Any, options: dict[str, Any]) -> tuple[Any
     return compiled, out.getvalue()
 
 
+def compile_source(
+    kernel: Any,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    arch: int,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    aligned: Sequence[str] = (),
+    options: Mapping[str, Any] | None = None,
+) -> tuple[Any, str, Any]:
+    """``(compiled, ptxas log, JIT function)``: Triton's compiled kernel for ``sm_<arch>`` (its ``asm``
+    holds the PTX and the cubin) with the ``ptxas -v`` log of that compile. Arguments as
+    :func:`compile_for_arch`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
+        raise RuntimeError("compile_for_arch needs TRITON_INTERPRET unset (kernels are interpreted otherwise)")
+    fn = kernel
+    while not isinstance(fn, JITFunction):  # unwrap @triton.autotune / @triton.heuristics
+        fn = fn.fn
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **(options or {})}
+    compiled, log = _compile_logged(src, GPUTarget("cuda", arch, 32), opts)
+    return compiled, log, fn
+
+
 def compile_for_arch(
     kernel: Any,
     signature: dict[str, str],
@@ -236,20 +266,7 @@ def compile_for_arch(
     CompiledKernel
         Shared memory, registers per thread and spills of the compiled kernel.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
-        raise RuntimeError("compile_for_arch needs TRITON_INTERPRET unset (kernels are interpreted otherwise)")
-    fn = kernel
-    while not isinstance(fn, JITFunction):  # unwrap @triton.autotune / @triton.heuristics
-        fn = fn.fn
-    names = list(signature)
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    opts = {"num_warps": num_warps, "num_stages": num_stages, **(options or {})}
-    compiled, log = _compile_logged(src, GPUTarget("cuda", arch, 32), opts)
+    compiled, log, fn = compile_source(kernel, signature, constexprs, arch, num_warps, num_stages, aligned, options)
     entry = compiled.metadata.name
     if f"Compiling entry function '{entry}'" in log:
         res = parse_ptxas_log(log, entry)

@@ -21,7 +21,7 @@ from nsa_backend.configs import mhc as cfg_mhc
 from nsa_backend.configs import sparse_mla as cfg_sparse_mla
 from nsa_backend.configs import topk as cfg_topk
 from nsa_backend.kernels import mhc, slots
-from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH, CompiledKernel, compile_for_arch
+from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH, CompiledKernel, compile_for_arch, compile_source
 from nsa_backend.kernels.fp8_ds_mla import v4 as fp8_ds_mla_v4
 from nsa_backend.kernels.fp8_ds_mla import v32 as fp8_ds_mla
 from nsa_backend.kernels.indexer import fp4 as indexer_fp4
@@ -75,6 +75,12 @@ class AotJob:
         """Compile for :attr:`arch` (needs ``TRITON_INTERPRET`` unset) and report the resources."""
         return compile_for_arch(self.kernel, self.signature, self.constexprs, self.arch, self.num_warps,
                                 self.num_stages, aligned=self.aligned, options=self.options)
+
+    def cubin(self) -> bytes:
+        """The cubin a launch on :attr:`arch` would load (needs ``TRITON_INTERPRET`` unset)."""
+        compiled, _, _ = compile_source(self.kernel, self.signature, self.constexprs, self.arch, self.num_warps,
+                                        self.num_stages, aligned=self.aligned, options=self.options)
+        return compiled.asm["cubin"]
 
 
 def _reg_cap(max_regs: int | None) -> dict[str, Any]:
@@ -300,9 +306,10 @@ def sparse_mla_v4_jobs(arch: int) -> list[AotJob]:
               "extra_n_slots").split():
         sig[n] = "i32"
     mod = sparse_mla_v4_decode
-    cx = dict(BLOCK_H=mod.BLOCK_H, BLOCK_K=mod.BLOCK_K, HAS_SINK=True, HAS_LEN=True, HAS_EXTRA=True,
-              HAS_EXTRA_LEN=True)
-    aligned = tuple(n for n in sig if n.endswith("_ptr"))
+    cx = dict(BLOCK_H=mod.BLOCK_H, BLOCK_K=mod.BLOCK_K, FP8_NATIVE=arch >= FP8_NATIVE_MIN_ARCH, HAS_SINK=True,
+              HAS_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True)
+    # pages of 2 * k tokens are 16-byte multiples apart (the runtime specialises the strides)
+    aligned = tuple(n for n in sig if n.endswith("_ptr") or n.endswith("stride_page"))
     return [AotJob("sparse_mla_v4", "decode", f"BLOCK_H={mod.BLOCK_H} BLOCK_K={mod.BLOCK_K} extra", arch,
                    mod._sparse_mla_v4_decode_kernel, _constexpr(sig, cx), cx, mod.NUM_WARPS, mod.NUM_STAGES,
                    aligned)]

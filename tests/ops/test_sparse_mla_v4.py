@@ -181,6 +181,37 @@ def test_triton_without_lengths_or_sink():
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("native_fp8", [True, False], ids=["e4m3-type", "integer-decoding"])
+def test_single_key_returns_the_unpacked_row(native_fp8):
+    """With one valid key the output row is that key's dequantised row exactly: the kernel decodes every e4m3
+    code (subnormals, the largest values) and scale byte (0 is the subnormal 2^-127, whose products are bf16
+    subnormals) exactly as the unpack, on both decoding paths."""
+    from nsa_backend.kernels.sparse_mla_decode import sparse_mla_v4_decode_triton
+
+    gen = torch.Generator().manual_seed(3)
+    blocks, page = 2, 64
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # every e4m3 code but the two NaNs
+    data = codes[torch.randint(0, codes.numel(), (blocks * page, 448), generator=gen)]
+    data[:2, :codes.numel()] = codes  # the first two tokens hold every code
+    scales = torch.randint(0, 141, (blocks * page, 8), generator=gen, dtype=torch.uint8)  # finite q . k
+    scales[0, :7] = torch.tensor([0, 1, 2, 60, 127, 139, 140], dtype=torch.uint8)
+    rope = torch.randn(blocks * page, 64, generator=gen).bfloat16().view(torch.uint8)
+    cache = torch.empty(blocks, page * 584, dtype=torch.uint8)
+    cache[:, :page * 576] = torch.cat([data, rope.view(-1, 128)], 1).view(blocks, -1)
+    cache[:, page * 576:] = scales.view(blocks, -1)
+    cache = cache.view(blocks, page, 1, 584).to(DEV)
+    want = nb.unpack_fp8_ds_mla_v4(cache.cpu(), impl="reference").view(-1, 512)
+    slots = torch.tensor([0, 1, 5, 64, 70, 127], dtype=torch.int32)
+    q = (torch.randn(1, slots.numel(), 16, 512, generator=gen) * 1e-9).bfloat16().to(DEV)
+    idx = torch.full((1, slots.numel(), 3), -1, dtype=torch.int32)
+    idx[0, :, 1] = slots  # one valid key per query row, between two skipped slots
+    out, _ = sparse_mla_v4_decode_triton(q, cache, idx.to(DEV), 1.0, native_fp8=native_fp8)
+    for i, slot in enumerate(slots.tolist()):
+        # exact values (the sum that forms the output gives -0.0 keys a +0.0)
+        assert torch.equal(out[0, i].cpu().float(), want[slot][None].expand(16, 512).float()), slot
+
+
 def _bad(**change):
     q, main, idx, kw = _case(2, 6, 4, seed=1)
     args = dict(q=q, kv_cache=main, indices=idx, sm_scale=0.06, **kw)

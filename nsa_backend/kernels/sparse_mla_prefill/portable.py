@@ -50,20 +50,27 @@ _INTERPRET = tl.constexpr(envs.triton_interpret())
 
 @triton.jit
 def _sparse_mla_bf16(x):
-    """fp32 -> bf16, round to nearest even (the CPU interpreter truncates, so it rounds by hand)."""
+    """fp32 -> bf16, round to nearest even (the CPU interpreter truncates and flushes subnormals, so it rounds
+    by hand and takes the high half of the bits)."""
     if _INTERPRET:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _sparse_mla_f32(x):
+    """bf16 -> fp32 through the bits (the CPU interpreter's conversion flushes bf16 subnormals to zero)."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _sparse_mla_mma(a, b):
     """``a @ b`` with bf16 operands and fp32 accumulation."""
     if _INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        return tl.dot(_sparse_mla_f32(a), _sparse_mla_f32(b))
     else:
         return tl.dot(a, b)
 
