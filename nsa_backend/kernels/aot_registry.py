@@ -12,9 +12,12 @@ their own sm_90 compile checks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import functools
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from nsa_backend.configs import indexer as cfg_indexer
 from nsa_backend.configs import mhc as cfg_mhc
@@ -31,6 +34,8 @@ from nsa_backend.kernels.sparse_mla_decode import merge as decode_merge
 from nsa_backend.kernels.sparse_mla_decode import v4 as sparse_mla_v4_decode
 from nsa_backend.kernels.sparse_mla_prefill import portable as sparse_mla_prefill
 from nsa_backend.kernels.topk import portable as topk
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -389,6 +394,14 @@ FAMILIES: dict[str, Callable[[int], list[AotJob]]] = {
 }
 
 
+def _family_names(families: Iterable[str] | None) -> list[str]:
+    names = list(FAMILIES) if families is None else list(families)
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise ValueError(f"families: unknown {unknown}, expected some of {sorted(FAMILIES)}")
+    return names
+
+
 def shipped_jobs(archs: Iterable[int], families: Iterable[str] | None = None) -> list[AotJob]:
     """Every :class:`AotJob` of ``families`` (default: all of :data:`FAMILIES`) on each of ``archs``.
 
@@ -397,8 +410,30 @@ def shipped_jobs(archs: Iterable[int], families: Iterable[str] | None = None) ->
     ValueError
         If a family is not in :data:`FAMILIES`.
     """
-    names = list(FAMILIES) if families is None else list(families)
-    unknown = [n for n in names if n not in FAMILIES]
-    if unknown:
-        raise ValueError(f"families: unknown {unknown}, expected some of {sorted(FAMILIES)}")
-    return [job for arch in archs for name in names for job in FAMILIES[name](arch)]
+    return [job for arch in archs for name in _family_names(families) for job in FAMILIES[name](arch)]
+
+
+def _run_job(fn: Callable[[AotJob], T], item: tuple[int, str, int]) -> T:
+    # Jobs hold kernel objects: a worker rebuilds its family's list and takes the item-th job.
+    arch, family, index = item
+    return fn(FAMILIES[family](arch)[index])
+
+
+def map_jobs(fn: Callable[[AotJob], T], archs: Sequence[int], families: Sequence[str] | None = None,
+             workers: int | None = None) -> list[T]:
+    """``fn(job)`` for every job of :func:`shipped_jobs`, in that order, in ``workers`` processes (default: the
+    CPU count); ``fn`` must be a module-level function (it is sent to the workers by name).
+
+    Raises
+    ------
+    RuntimeError
+        Under ``TRITON_INTERPRET`` (kernels would be interpreted, not compiled).
+    ValueError
+        If a family is not in :data:`FAMILIES`.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
+        raise RuntimeError("ahead-of-time compiles need TRITON_INTERPRET unset (kernels are interpreted otherwise)")
+    names = _family_names(families)
+    items = [(arch, name, i) for arch in archs for name in names for i in range(len(FAMILIES[name](arch)))]
+    with ProcessPoolExecutor(max(1, workers or os.cpu_count() or 1)) as ex:
+        return list(ex.map(functools.partial(_run_job, fn), items, chunksize=1))

@@ -17,10 +17,10 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, TARGET_ARCHS
+from nsa_backend.kernels.aot_registry import FAMILIES, AotJob, map_jobs
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,9 @@ class ResourceRow:
         return f"{self.family}/{self.kind} [{self.config}] sm_{self.arch}"
 
 
-def _compile_one(item: tuple[int, str, int]) -> ResourceRow:
-    # Jobs hold kernel objects; a worker rebuilds its family's list and compiles the item-th one.
-    from nsa_backend.kernels.aot_registry import FAMILIES
-
-    arch, family, index = item
-    job = FAMILIES[family](arch)[index]
+def _resources(job: AotJob) -> ResourceRow:
     r = job.compile()
-    return ResourceRow(job.family, job.kind, job.config, arch, job.num_warps, r.registers, r.spill_stores,
+    return ResourceRow(job.family, job.kind, job.config, job.arch, job.num_warps, r.registers, r.spill_stores,
                        r.spill_loads, r.shared_bytes)
 
 
@@ -83,17 +78,7 @@ def collect(archs: Sequence[int], families: Sequence[str] | None = None,
     list of ResourceRow
         In the order of :func:`nsa_backend.kernels.aot_registry.shipped_jobs`.
     """
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
-        raise RuntimeError("the AOT report needs TRITON_INTERPRET unset (kernels are interpreted otherwise)")
-    from nsa_backend.kernels.aot_registry import FAMILIES
-
-    names = list(FAMILIES) if families is None else list(families)
-    unknown = [n for n in names if n not in FAMILIES]
-    if unknown:
-        raise ValueError(f"families: unknown {unknown}, expected some of {sorted(FAMILIES)}")
-    items = [(arch, name, i) for arch in archs for name in names for i in range(len(FAMILIES[name](arch)))]
-    with ProcessPoolExecutor(max(1, workers or os.cpu_count() or 1)) as ex:
-        return list(ex.map(_compile_one, items, chunksize=1))
+    return map_jobs(_resources, archs, families, workers)
 
 
 def render(rows: Sequence[ResourceRow], command: str) -> str:
@@ -144,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [a for a in archs if a not in SHARED_MEMORY_LIMIT]
     if unknown:
         parser.error(f"--arch: no shared-memory budget for {unknown}, expected some of {sorted(SHARED_MEMORY_LIMIT)}")
+    bad = [f for f in args.family or () if f not in FAMILIES]
+    if bad:
+        parser.error(f"--family: expected some of {sorted(FAMILIES)}, got {bad}")
     start = time.perf_counter()
     rows = collect(archs, args.family, args.workers)
     command = "python -m nsa_backend.kernels.aot_report " + " ".join(argv if argv is not None else sys.argv[1:])

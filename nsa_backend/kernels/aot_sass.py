@@ -26,13 +26,12 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import triton
 
 from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
-from nsa_backend.kernels.aot_registry import FAMILIES
+from nsa_backend.kernels.aot_registry import FAMILIES, AotJob, map_jobs
 
 # Opcode (before the first dot) -> class; opcodes not listed count as "other".
 OPCODE_CLASS: dict[str, str] = {
@@ -148,25 +147,14 @@ class MixRow:
     mix: InstructionMix
 
 
-def _mix_one(item: tuple[int, str, int]) -> MixRow:
-    # Jobs hold kernel objects; a worker rebuilds its family's list and compiles the item-th one.
-    arch, family, index = item
-    job = FAMILIES[family](arch)[index]
-    return MixRow(job.family, job.kind, job.config, arch, job.num_warps, instruction_mix(disassemble(job.cubin())))
+def _mix(job: AotJob) -> MixRow:
+    return MixRow(job.family, job.kind, job.config, job.arch, job.num_warps, instruction_mix(disassemble(job.cubin())))
 
 
 def collect(archs: Sequence[int], families: Sequence[str] | None = None, workers: int | None = None) -> list[MixRow]:
     """Compile and disassemble every shipped job of ``families`` (default: all) for ``archs``, in
     ``workers`` processes (default: the CPU count)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
-        raise RuntimeError("the SASS report needs TRITON_INTERPRET unset (kernels are interpreted otherwise)")
-    names = list(FAMILIES) if families is None else list(families)
-    unknown = [n for n in names if n not in FAMILIES]
-    if unknown:
-        raise ValueError(f"--family: unknown {unknown}, expected some of {sorted(FAMILIES)}")
-    items = [(arch, name, i) for arch in archs for name in names for i in range(len(FAMILIES[name](arch)))]
-    with ProcessPoolExecutor(max(1, workers or os.cpu_count() or 1)) as ex:
-        return list(ex.map(_mix_one, items, chunksize=1))
+    return map_jobs(_mix, archs, families, workers)
 
 
 def render(rows: Sequence[MixRow], command: str) -> str:
@@ -211,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [a for a in archs if a not in SHARED_MEMORY_LIMIT]
     if unknown:
         parser.error(f"--arch: expected some of {sorted(SHARED_MEMORY_LIMIT)}, got {unknown}")
+    bad = [f for f in args.family or () if f not in FAMILIES]
+    if bad:
+        parser.error(f"--family: expected some of {sorted(FAMILIES)}, got {bad}")
     start = time.perf_counter()
     try:
         rows = collect(archs, args.family, args.workers)
