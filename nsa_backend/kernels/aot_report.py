@@ -116,22 +116,31 @@ def render(rows: Sequence[ResourceRow], command: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: compile, print the summary, write the table to ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m nsa_backend.kernels.aot_report",
-                                     description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--out", default="bench/results/aot/resources.md", help="markdown file to write")
-    parser.add_argument("--arch", type=int, action="append", help="compute capability (repeat); default: all targets")
+def parse_args(prog: str, description: str, default_out: str, default_archs: Sequence[int],
+               argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[int]]:
+    """``(arguments, archs)`` of an AOT report command line (``--out``, ``--arch``, ``--family``,
+    ``--workers``); an unknown arch or family exits with a usage error naming the flag."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--out", default=default_out, help="markdown file to write")
+    parser.add_argument("--arch", type=int, action="append",
+                        help=f"compute capability (repeat); default: {', '.join(map(str, default_archs))}")
     parser.add_argument("--family", action="append", help="op family (repeat); default: all")
     parser.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
     args = parser.parse_args(argv)
-    archs = args.arch or list(TARGET_ARCHS)
+    archs = args.arch or list(default_archs)
     unknown = [a for a in archs if a not in SHARED_MEMORY_LIMIT]
     if unknown:
         parser.error(f"--arch: no shared-memory budget for {unknown}, expected some of {sorted(SHARED_MEMORY_LIMIT)}")
     bad = [f for f in args.family or () if f not in FAMILIES]
     if bad:
         parser.error(f"--family: expected some of {sorted(FAMILIES)}, got {bad}")
+    return args, archs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: compile, print the summary, write the table to ``--out``."""
+    args, archs = parse_args("python -m nsa_backend.kernels.aot_report", (__doc__ or "").split("\n")[0],
+                             "bench/results/aot/resources.md", TARGET_ARCHS, argv)
     start = time.perf_counter()
     rows = collect(archs, args.family, args.workers)
     command = "python -m nsa_backend.kernels.aot_report " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -17,7 +17,6 @@ loads (``LDS``, ``LDSM``), shared-memory stores (``STS``), barriers (``BAR``), g
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -30,8 +29,8 @@ from dataclasses import dataclass
 
 import triton
 
-from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
-from nsa_backend.kernels.aot_registry import FAMILIES, AotJob, map_jobs
+from nsa_backend.kernels.aot_registry import AotJob, map_jobs
+from nsa_backend.kernels.aot_report import parse_args
 
 # Opcode (before the first dot) -> class; opcodes not listed count as "other".
 OPCODE_CLASS: dict[str, str] = {
@@ -188,20 +187,8 @@ def render(rows: Sequence[MixRow], command: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: compile, disassemble, write the table to ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m nsa_backend.kernels.aot_sass",
-                                     description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--out", default="bench/results/aot/sass-mix.md", help="markdown file to write")
-    parser.add_argument("--arch", type=int, action="append", help="compute capability (repeat); default: 120")
-    parser.add_argument("--family", action="append", help="op family (repeat); default: all")
-    parser.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
-    args = parser.parse_args(argv)
-    archs = args.arch or [120]
-    unknown = [a for a in archs if a not in SHARED_MEMORY_LIMIT]
-    if unknown:
-        parser.error(f"--arch: expected some of {sorted(SHARED_MEMORY_LIMIT)}, got {unknown}")
-    bad = [f for f in args.family or () if f not in FAMILIES]
-    if bad:
-        parser.error(f"--family: expected some of {sorted(FAMILIES)}, got {bad}")
+    args, archs = parse_args("python -m nsa_backend.kernels.aot_sass", (__doc__ or "").split("\n")[0],
+                             "bench/results/aot/sass-mix.md", (120,), argv)
     start = time.perf_counter()
     try:
         rows = collect(archs, args.family, args.workers)

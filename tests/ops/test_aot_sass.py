@@ -3,12 +3,14 @@ listings, then a real sm_120 compile of the sparse MLA tile (AOT, no GPU)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
 from nsa_backend.kernels.aot_sass import CLASSES, MixRow, instruction_mix, render
-from tests.ops._aot import run_aot_script
+from tests.ops._aot import REPO_ROOT, run_aot_script
 
 # Two loops: .L_x_1 (one HMMA) and .L_x_3 (two QMMA, a spill, a barrier); a forward branch that is no loop.
 LISTING = textwrap.dedent("""
@@ -89,3 +91,12 @@ def test_sparse_mla_decode_loop_on_sm120():
     assert bf16["mma"] == fp8["mma"] == 136
     assert fp8["conversions"] > 100 > bf16["conversions"]
     assert fp8["shared_stores"] > bf16["shared_stores"]
+
+
+@pytest.mark.parametrize("module", ["aot_sass", "aot_report"])
+@pytest.mark.parametrize("flag,value", [("--family", "nope"), ("--arch", "75")])
+def test_bad_flags_exit_2_naming_the_flag(module, flag, value):
+    proc = subprocess.run([sys.executable, "-m", f"nsa_backend.kernels.{module}", flag, value, "--out", "/dev/null"],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and f"error: {flag}: " in proc.stderr.splitlines()[-1]
