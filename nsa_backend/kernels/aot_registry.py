@@ -360,7 +360,7 @@ def mhc_jobs(arch: int) -> list[AotJob]:
 
 def indexer_fp4_jobs(arch: int) -> list[AotJob]:
     """The MXFP4-key indexer (DeepSeek-V4), ragged and paged (pages of 64 keys), with e4m3 and MXFP4 queries,
-    at 16, 64 and 128 padded heads."""
+    at 16, 32, 64 and 128 padded heads."""
     ragged = {"q_ptr": "*u8", "qs_ptr": "*u8", "k_ptr": "*u8", "ks_scale_ptr": "*u8", "w_ptr": "*fp32",
               "ks_ptr": "*i32", "ke_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "H": "i32", "cols": "i32",
               "stride_out": "i32"}
@@ -368,14 +368,16 @@ def indexer_fp4_jobs(arch: int) -> list[AotJob]:
              "bt_ptr": "*i32", "out_ptr": "*fp32", "H": "i32", "NEXT_N": "i32", "max_ctx": "i32", "num_pages": "i32",
              "max_blocks": "i32", "stride_bt": "i32", "stride_page": "i32", "stride_out": "i32"}
     jobs = []
-    for hp in (16, 64, 128):
+    for hp in (16, 32, 64, 128):
         for q_fp4 in (False, True):
             warps = indexer_fp4.num_warps_for(hp)
             label = f"HP={hp} q={'mxfp4' if q_fp4 else 'e4m3'}"
-            cx = dict(D=indexer_fp4.HEAD_DIM, HP=hp, BLOCK_N=indexer_fp4.BLOCK_N, Q_FP4=q_fp4, COMPRESSED=False)
+            cx = dict(D=indexer_fp4.HEAD_DIM, HP=hp, BLOCK_N=indexer_fp4.BLOCK_N, TILES=indexer_fp4.tiles_for(hp),
+                      Q_FP4=q_fp4, COMPRESSED=False)
             jobs.append(AotJob("indexer_fp4", "ragged", label, arch, indexer_fp4._fp4_ragged_logits_kernel,
                                _constexpr(ragged, cx), cx, warps, 3, tuple(n for n in ragged if n.endswith("_ptr"))))
-            cx = dict(D=indexer_fp4.HEAD_DIM, HP=hp, PAGE=64, BLOCK_N=indexer_fp4.BLOCK_N, Q_FP4=q_fp4, CTX_2D=False)
+            cx = dict(D=indexer_fp4.HEAD_DIM, HP=hp, PAGE=64, BLOCK_N=indexer_fp4.BLOCK_N,
+                      TILES=indexer_fp4.tiles_for(hp), Q_FP4=q_fp4, CTX_2D=False)
             jobs.append(AotJob("indexer_fp4", "paged", label, arch, indexer_fp4._fp4_paged_logits_kernel,
                                _constexpr(paged, cx), cx, warps, 3, tuple(n for n in paged if n.endswith("_ptr"))))
     return jobs

@@ -262,6 +262,28 @@ def test_triton_paged(H, next_n, ctx_2d, page, pad, q_fp4):
     _assert_logits(nb.fp8_fp4_paged_mqa_logits(*args, impl="triton"), want, f"H={H} next_n={next_n}")
 
 
+@pytest.mark.parametrize("q_fp4", [False, True])
+def test_triton_spans_several_programs(q_fp4):
+    """Key ranges over more than one program's ``TILES * BLOCK_N`` keys: every column of every program is
+    written, a chunk whose keys are all hidden gives -inf, and the last chunk is partial."""
+    from nsa_backend.kernels.indexer import fp4 as k4
+
+    chunk = k4.tiles_for(16) * k4.BLOCK_N  # 5 heads: 16 padded
+    torch.manual_seed(3)
+    N = 2 * chunk + 77
+    q, qs, k, k_scale, w, ks, ke = _ragged(3, 5, N, q_fp4)
+    ks[0], ke[0] = chunk + 10, 2 * chunk + 30  # row 0 sees only keys of the second and third programs
+    args = (_qarg(q, qs), (k, k_scale), w, ks, ke)
+    _assert_logits(nb.fp8_fp4_mqa_logits(*args, impl="triton"), nb.fp8_fp4_mqa_logits(*args, impl="reference"),
+                   "ragged")
+    lens = [2 * chunk + 40, 5]
+    q, qs, cache, w, ctx, table, max_len = _paged(2, 2, 5, 64, lens, False, q_fp4)
+    meta = nb.get_paged_mqa_logits_metadata(ctx, 64, 4)
+    args = (_qarg(q, qs), cache, w, ctx, table, meta, max_len + 3)
+    _assert_logits(nb.fp8_fp4_paged_mqa_logits(*args, impl="triton"),
+                   nb.fp8_fp4_paged_mqa_logits(*args, impl="reference"), "paged")
+
+
 def test_triton_paged_without_pages():
     q, _ = _q((2, 1), 4, False)
     cache = torch.zeros(1, 64, 1, 68, dtype=torch.uint8)
@@ -330,17 +352,18 @@ _AOT_SCRIPT = textwrap.dedent("""
         if kind == "ragged":
             sig = dict(q_ptr="*u8", qs_ptr="*u8", k_ptr="*u8", ks_scale_ptr="*u8", w_ptr="*fp32", ks_ptr="*i32",
                        ke_ptr="*i32", out_ptr="*fp32", N="i32", H="i32", cols="i32", stride_out="i32",
-                       D="constexpr", HP="constexpr", BLOCK_N="constexpr", Q_FP4="constexpr",
+                       D="constexpr", HP="constexpr", BLOCK_N="constexpr", TILES="constexpr", Q_FP4="constexpr",
                        COMPRESSED="constexpr")
-            cx = dict(D=128, HP=hp, BLOCK_N=k4.BLOCK_N, Q_FP4=q4, COMPRESSED=False)
+            cx = dict(D=128, HP=hp, BLOCK_N=k4.BLOCK_N, TILES=k4.tiles_for(hp), Q_FP4=q4, COMPRESSED=False)
             aligned = ["q_ptr", "qs_ptr", "k_ptr", "ks_scale_ptr", "w_ptr", "ks_ptr", "ke_ptr", "out_ptr"]
             r = aot.compile_for_arch(k4._fp4_ragged_logits_kernel, sig, cx, arch, nw, 1, aligned=aligned)
         else:
             sig = dict(q_ptr="*u8", qs_ptr="*u8", kv_ptr="*u8", w_ptr="*fp32", ctx_ptr="*i32", bt_ptr="*i32",
                        out_ptr="*fp32", H="i32", NEXT_N="i32", max_ctx="i32", num_pages="i32", max_blocks="i32",
                        stride_bt="i32", stride_page="i32", stride_out="i32", D="constexpr", HP="constexpr",
-                       PAGE="constexpr", BLOCK_N="constexpr", Q_FP4="constexpr", CTX_2D="constexpr")
-            cx = dict(D=128, HP=hp, PAGE=64, BLOCK_N=k4.BLOCK_N, Q_FP4=q4, CTX_2D=True)
+                       PAGE="constexpr", BLOCK_N="constexpr", TILES="constexpr", Q_FP4="constexpr",
+                       CTX_2D="constexpr")
+            cx = dict(D=128, HP=hp, PAGE=64, BLOCK_N=k4.BLOCK_N, TILES=k4.tiles_for(hp), Q_FP4=q4, CTX_2D=True)
             aligned = ["q_ptr", "qs_ptr", "kv_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "out_ptr", "stride_page"]
             r = aot.compile_for_arch(k4._fp4_paged_logits_kernel, sig, cx, arch, nw, 1, aligned=aligned)
         return [kind, arch, f"HP={hp} q_fp4={q4}", r.shared_bytes, aot.SHARED_MEMORY_LIMIT[arch]]
