@@ -31,8 +31,8 @@ from nsa_backend.reference import V4_DATA_BYTES, V4_HEAD_DIM
 BLOCK_H = 16
 # 16-key tiles over 4 warps: the [16 x 512] fp32 accumulator is four [16 x 128] tiles and each 128-wide group of
 # keys is decoded right before its q . k MMA. Ahead of time (bench/results/aot/): no spill on any arch, 49 KB of
-# shared memory (two programs per SM on the 99 KiB parts), 19 instructions per mma.sync in the loop on sm_89+
-# (29-32 with the integer e4m3 decoding of sm_80 / sm_86); the former 512-wide tile over 8 warps issued 45.
+# shared memory (two programs per SM on the 99 KiB parts), 19.5 instructions per mma.sync in the loop on sm_120
+# (32 with the integer e4m3 decoding of sm_86); the former 512-wide tile over 8 warps issued 45.5.
 BLOCK_K = 16
 NUM_WARPS = 4
 NUM_STAGES = 2
