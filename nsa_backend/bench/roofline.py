@@ -229,8 +229,16 @@ def family_limits(result: Mapping[str, Any]) -> dict[str, dict[str, float | None
     return out
 
 
-def _shape_flops(op: str, shape: Any) -> int | None:
-    if op not in PAGED_LOGITS_OPS or not isinstance(shape, dict):
+# Floor rows: the op's reads (and writes) alone, no arithmetic, so no FLOPs are counted for them.
+FLOOR_IMPLS: tuple[str, ...] = ("read_kv", "read_kv_logits", "gather_kv", "read_a")
+
+
+def _is_floor(impl: str) -> bool:
+    return impl.removesuffix("-graph") in FLOOR_IMPLS
+
+
+def _shape_flops(op: str, impl: str, shape: Any) -> int | None:
+    if op not in PAGED_LOGITS_OPS or _is_floor(impl) or not isinstance(shape, dict):
         return None
     dims = [shape.get(k) for k in ("B", "context", "next_n", "H", "D")]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in dims):
@@ -262,7 +270,7 @@ def roofline_rows(result: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict
         ms, gbps, tflops = row["ms"], row["gbps"], row["tflops"]
         from_shape = False
         if ms and tflops is None:
-            flops = _shape_flops(op, row["shape"])
+            flops = _shape_flops(op, row["impl"], row["shape"])
             if flops is not None:
                 tflops, from_shape = flops / ms / 1e9, True
         if not ms or (gbps is None and tflops is None):  # eager host times, skipped or failed rows
