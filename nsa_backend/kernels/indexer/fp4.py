@@ -97,6 +97,19 @@ def _query_block(q_ptr, qs_ptr, q_row, H, blk: tl.constexpr, HP: tl.constexpr, D
 
 
 @triton.jit
+def _query_row(q_ptr, qs_ptr, w_ptr, row, H, HP: tl.constexpr, D: tl.constexpr, Q_FP4: tl.constexpr):
+    """The four decoded blocks of query row ``row``, their factors (:func:`_query_block`) and its weights
+    ``[HP]`` (zero for padded heads)."""
+    q0, f0 = _query_block(q_ptr, qs_ptr, row, H, 0, HP, D, Q_FP4)
+    q1, f1 = _query_block(q_ptr, qs_ptr, row, H, 1, HP, D, Q_FP4)
+    q2, f2 = _query_block(q_ptr, qs_ptr, row, H, 2, HP, D, Q_FP4)
+    q3, f3 = _query_block(q_ptr, qs_ptr, row, H, 3, HP, D, Q_FP4)
+    offs_h = tl.arange(0, HP)
+    w = tl.load(w_ptr + row.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0)
+    return q0, q1, q2, q3, f0, f1, f2, f3, w
+
+
+@triton.jit
 def _key_block_scores(p_bytes, p_scale, ok, q, q_factor, blk: tl.constexpr):
     """Scores ``[BLOCK_N, HP]`` of key block ``blk`` against the query block ``q`` (fp16 ``[HP, 32]``):
     one fp16 MMA (exact products, fp32 sums) scaled by the key's and the head's block factors."""
@@ -137,12 +150,7 @@ def _fp4_ragged_logits_kernel(
     HALF: tl.constexpr = D // 2
     NS: tl.constexpr = D // 32
     # the query row's blocks and weights, decoded once for the program's TILES key tiles
-    q0, f0 = _query_block(q_ptr, qs_ptr, row, H, 0, HP, D, Q_FP4)
-    q1, f1 = _query_block(q_ptr, qs_ptr, row, H, 1, HP, D, Q_FP4)
-    q2, f2 = _query_block(q_ptr, qs_ptr, row, H, 2, HP, D, Q_FP4)
-    q3, f3 = _query_block(q_ptr, qs_ptr, row, H, 3, HP, D, Q_FP4)
-    offs_h = tl.arange(0, HP)
-    w = tl.load(w_ptr + row.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0)
+    q0, q1, q2, q3, f0, f1, f2, f3, w = _query_row(q_ptr, qs_ptr, w_ptr, row, H, HP, D, Q_FP4)
     for c0 in range(c_start, c_stop, BLOCK_N):
         c = c0 + tl.arange(0, BLOCK_N)
         if COMPRESSED:
@@ -178,12 +186,7 @@ def _fp4_paged_logits_kernel(
     HALF: tl.constexpr = D // 2
     NS: tl.constexpr = D // 32
     # the query row's blocks and weights, decoded once for the program's TILES key tiles
-    q0, f0 = _query_block(q_ptr, qs_ptr, row, H, 0, HP, D, Q_FP4)
-    q1, f1 = _query_block(q_ptr, qs_ptr, row, H, 1, HP, D, Q_FP4)
-    q2, f2 = _query_block(q_ptr, qs_ptr, row, H, 2, HP, D, Q_FP4)
-    q3, f3 = _query_block(q_ptr, qs_ptr, row, H, 3, HP, D, Q_FP4)
-    offs_h = tl.arange(0, HP)
-    w = tl.load(w_ptr + row.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0)
+    q0, q1, q2, q3, f0, f1, f2, f3, w = _query_row(q_ptr, qs_ptr, w_ptr, row, H, HP, D, Q_FP4)
     for t0 in range(t_start, t_stop, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         slot = t // PAGE
