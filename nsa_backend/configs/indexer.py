@@ -113,6 +113,16 @@ PAGED_WGMMA_TUNED: dict[tuple[int, int], LogitsConfig] = {
     (64, 1): LogitsConfig(64, 64, 4, 6, page_ahead=True, k_mask=False, resident=6),
     (64, 2): LogitsConfig(64, 128, 4, 8, row_loop=True, k_mask=False, resident=4),
 }
+# sm_120 / sm_121 entries by (HP, rows), from a sweep under the sm120 proxy on an H100 (B 128, context 32K,
+# page 64, CUDA graph; each launch checked against the table's choice on the same inputs, equal to 1e-7):
+# 128-key tiles over 2 stages at 64 heads / 2 rows 0.48 ms against 0.79 and at 32 heads / 1 row 0.22
+# against 0.30; the row loop at 32 heads / 2 rows 0.32 against 0.37. At 64 heads / 1 row no candidate beat
+# the table (bench/results/h100-proxy-sm120/sweeps).
+PAGED_SM120_TUNED: dict[tuple[int, int], LogitsConfig] = {
+    (64, 2): LogitsConfig(128, 128, 4, 2, resident=4),
+    (32, 1): LogitsConfig(128, 32, 4, 2, resident=4),
+    (32, 2): LogitsConfig(64, 64, 4, 3, row_loop=True, resident=4),
+}
 
 
 @dataclass(frozen=True)
@@ -223,7 +233,7 @@ def paged_config(num_heads: int, next_n: int, head_dim: int, arch: int | None) -
     kind = arch_kind(arch)
     candidates = PAGED_CONFIGS[kind]
     rows = padded_next_n(next_n)
-    tuned = PAGED_WGMMA_TUNED.get((hp, rows)) if kind == "wgmma" else None
+    tuned = (PAGED_WGMMA_TUNED if kind == "wgmma" else PAGED_SM120_TUNED if arch in (120, 121) else {}).get((hp, rows))
     if tuned is not None and tuned.shared_bytes_estimate(head_dim, native) <= budget:
         return tuned
     while True:

@@ -193,6 +193,25 @@ def test_fp8_paged_mqa_logits_variants(variant, next_n, ctx_2d, pad):
         _assert_logits(out, want, what=f"{variant} chunk {chunk}")
 
 
+TUNED_PAGED = [pytest.param(90, key, id=f"sm90-hp{key[0]}-rows{key[1]}") for key in ci.PAGED_WGMMA_TUNED] + [
+    pytest.param(120, key, id=f"sm120-hp{key[0]}-rows{key[1]}") for key in ci.PAGED_SM120_TUNED]
+
+
+@pytest.mark.parametrize("arch,key", TUNED_PAGED)
+def test_fp8_paged_mqa_logits_tuned_entries(arch, key):
+    # each per-arch tuned entry is what the table returns for its head bucket and rows, and gives the
+    # reference's logits (ragged contexts, an empty request, several chunks per request)
+    hp, rows = key
+    heads = hp - 3
+    cfg = ci.paged_config(heads, rows, 128, arch)
+    assert cfg == (ci.PAGED_WGMMA_TUNED if arch == 90 else ci.PAGED_SM120_TUNED)[key]
+    q, cache, w, ctx, table, max_len = _paged_inputs(3, rows, heads, 128, 64, [300, 0, 130], False, DEVICE)
+    want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len)
+    for chunk in (None, 128):
+        out = ki.fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, None, max_len, config=cfg, chunk=chunk)
+        _assert_logits(out, want, what=f"sm_{arch} {key} chunk {chunk}")
+
+
 def test_paged_chunk_waves():
     # batches that fit one wave: each request cut into the chunks one wave holds (whole tiles, at
     # least PAGED_MIN_CHUNK keys); larger batches: one full wave, else several waves

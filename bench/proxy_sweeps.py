@@ -1,0 +1,129 @@
+"""Launch-configuration sweeps of the portable kernels on a GPU, under the environment the caller sets.
+
+Run under the sm120 proxy (Hopper MMA off, sm120 routing and configurations) to choose the SM120 / SM121
+entries; each candidate is first compared with the shipped launch on the same inputs (``err``: largest
+absolute difference), then timed. One JSON list per sweep is written to ``--out``.
+
+    DISABLE_MMA_V3=1 NSA_BACKEND_FORCE_ARCH=sm120 NSA_BACKEND_GLUON=0 \\
+        python bench/proxy_sweeps.py paged v4 decode --out bench/results/h100-proxy-sm120/sweeps
+
+- ``paged``: ``fp8_paged_mqa_logits`` at B 128, context 32K, H 64 / 32, next_n 1 / 2 (CUDA graph).
+- ``v4``: the DeepSeek-V4 decode tile (BLOCK_H, BLOCK_K, warps) at B 128, h_q 64 / 128, context 32K,
+  top-k 512 plus the 128-token window (CUDA graph).
+- ``decode``: the sparse MLA decode tile over the fp8_ds_mla cache at B 128, top-k 2048, h_q 64 / 32 / 16
+  (tile shape, warps, late group loads; eager calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pathlib
+import sys
+from collections.abc import Callable
+
+import torch
+
+import nsa_backend.kernels.sparse_mla_decode.v4 as v4
+from nsa_backend.bench import peers
+from nsa_backend.bench import sparse_mla as bench_sparse_mla
+from nsa_backend.bench.indexer import paged_inputs
+from nsa_backend.bench.timing import bench_ms
+from nsa_backend.configs.indexer import LogitsConfig, paged_config
+from nsa_backend.configs.sparse_mla import AttnConfig
+from nsa_backend.kernels import indexer as kernels_indexer
+from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
+
+SWEEPS = ("paged", "v4", "decode")
+
+
+def _measure(run: Callable[[], torch.Tensor], ref: torch.Tensor, graph: bool,
+             iters: int) -> tuple[float | None, object]:
+    """``(ms, err)`` of one candidate, or ``(None, error text)`` where it does not launch."""
+    try:
+        got = run()
+        finite = torch.isfinite(ref)
+        err = (got.float()[finite] - ref.float()[finite]).abs().max().item()
+        return bench_ms(run, 10, iters, graph=graph), err
+    except (RuntimeError, ValueError) as exc:  # a launch the compiler or the launcher refuses
+        return None, f"{type(exc).__name__}: {str(exc)[:80]}"
+
+
+def sweep_paged() -> list[dict]:
+    rows = []
+    B, L, D = 128, 32768, 128
+    for H, next_n in itertools.product((64, 32), (1, 2)):
+        q, cache, w, ctx, table = paged_inputs(B, L, next_n, H, D)
+        args = (q, cache, w, ctx, table, None, L)
+        ref = kernels_indexer.fp8_paged_mqa_logits_triton(*args)
+        base = paged_config(H, next_n, D, 120)
+        cols = base.cols
+        candidates = [base, LogitsConfig(64, cols, 4, 3, row_loop=next_n > 1, resident=4),
+                      LogitsConfig(64, cols, 4, 4), LogitsConfig(64, cols, 4, 2), LogitsConfig(128, cols, 8, 2),
+                      LogitsConfig(128, cols, 4, 2), LogitsConfig(64, cols, 4, 3, page_ahead=True, k_mask=False),
+                      LogitsConfig(64, cols, 8, 3), LogitsConfig(32, cols, 4, 4)]
+        for cfg in candidates:
+            def run(cfg=cfg, args=args):
+                return kernels_indexer.fp8_paged_mqa_logits_triton(*args, config=cfg)
+            ms, err = _measure(run, ref, graph=True, iters=40)
+            rows.append({"H": H, "next_n": next_n, "cfg": str(cfg), "ms": ms, "err": err})
+    return rows
+
+
+def sweep_v4() -> list[dict]:
+    rows = []
+    shipped = (v4.BLOCK_H, v4.BLOCK_K, v4.NUM_WARPS)
+    for h_q in (64, 128):
+        a = peers.v4_decode_inputs(128, h_q, 32768, peers.V4_WINDOW, peers.V4_TOPK, torch.device("cuda"))
+        a = {k: a[k] for k in ("q", "kv_cache", "indices", "sm_scale", "topk_length", "extra_kv_cache",
+                               "extra_indices", "extra_topk_length")}
+        ref = v4.sparse_mla_v4_decode_triton(**a)[0]
+        try:
+            for tile in ((16, 16, 4), (16, 32, 4), (32, 16, 8), (16, 16, 8), (32, 32, 8)):
+                v4.BLOCK_H, v4.BLOCK_K, v4.NUM_WARPS = tile
+                ms, err = _measure(lambda a=a: v4.sparse_mla_v4_decode_triton(**a)[0], ref, graph=True, iters=40)
+                rows.append({"h_q": h_q, "cfg": list(tile), "ms": ms, "err": err})
+        finally:
+            v4.BLOCK_H, v4.BLOCK_K, v4.NUM_WARPS = shipped
+    return rows
+
+
+def sweep_decode() -> list[dict]:
+    rows = []
+    candidates = [AttnConfig(bh, bn, w, 2, late_groups=late)
+                  for bh, bn, w, late in itertools.product((32, 16), (32, 16), (4, 8), (False, True))
+                  if not (bh == 16 and w == 8)]
+    for h_q in (64, 32, 16):
+        a = bench_sparse_mla.decode_inputs(128, 1, h_q, 2048, torch.device("cuda"))
+        args = (a["q"], a["kv_cache"], a["indices"], a["sm_scale"])
+        ref = sparse_mla_decode_triton(*args)[0]
+        ms, err = _measure(lambda args=args: sparse_mla_decode_triton(*args)[0], ref, graph=False, iters=60)
+        rows.append({"h_q": h_q, "cfg": "default", "ms": ms, "err": err})
+        for cfg in candidates:
+            def run(cfg=cfg, args=args):
+                return sparse_mla_decode_triton(*args, config=cfg)[0]
+            ms, err = _measure(run, ref, graph=False, iters=60)
+            rows.append({"h_q": h_q, "cfg": str(cfg), "ms": ms, "err": err})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweeps", nargs="+", choices=SWEEPS, help="sweeps to run")
+    parser.add_argument("--out", type=pathlib.Path, required=True, help="folder for sweep_<name>.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the sweeps time GPU kernels: no CUDA device is visible")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode}
+    for name in args.sweeps:
+        rows = runners[name]()
+        (args.out / f"sweep_{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+        for row in rows:
+            print(name, json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
