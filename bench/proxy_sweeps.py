@@ -11,7 +11,7 @@ absolute difference), then timed. One JSON list per sweep is written to ``--out`
 - ``v4``: the DeepSeek-V4 decode tile (BLOCK_H, BLOCK_K, warps) at B 128, h_q 64 / 128, context 32K,
   top-k 512 plus the 128-token window (CUDA graph).
 - ``decode``: the sparse MLA decode tile over the fp8_ds_mla cache at B 128, top-k 2048, h_q 64 / 32 / 16
-  (tile shape, warps, late group loads; eager calls).
+  (tile shape and warps; eager calls).
 """
 
 from __future__ import annotations
@@ -91,8 +91,7 @@ def sweep_v4() -> list[dict]:
 
 def sweep_decode() -> list[dict]:
     rows = []
-    candidates = [AttnConfig(bh, bn, w, 2, late_groups=late)
-                  for bh, bn, w, late in itertools.product((32, 16), (32, 16), (4, 8), (False, True))
+    candidates = [AttnConfig(bh, bn, w, 2) for bh, bn, w in itertools.product((32, 16), (32, 16), (4, 8))
                   if not (bh == 16 and w == 8)]
     for h_q in (64, 32, 16):
         a = bench_sparse_mla.decode_inputs(128, 1, h_q, 2048, torch.device("cuda"))

@@ -75,9 +75,6 @@ class AttnConfig:
     idx_ahead: bool = False
     # Register cap per thread (more resident programs per SM); None: the compiler's choice.
     maxnreg: int | None = None
-    # Load latent groups 1-3 of the keys right before their conversion rather than with the rest of the
-    # key (fewer registers live; the loads are issued later).
-    late_groups: bool = False
 
     def launch_options(self) -> dict:
         """Keyword arguments of the kernel launch besides the kernel's own parameters."""

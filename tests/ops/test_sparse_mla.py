@@ -241,10 +241,9 @@ def test_prefill_matches_reference(kw):
     run_prefill_case(a, str(kw))
 
 
-@pytest.mark.parametrize("flags", [dict(idx_ahead=True), dict(late_groups=True)], ids=["idx_ahead", "late_groups"])
+@pytest.mark.parametrize("flags", [dict(idx_ahead=True)], ids=["idx_ahead"])
 def test_prefill_launch_options_match_reference(flags):
-    """Indices read one iteration ahead, or latent groups loaded late: a partial last tile, topk_length and
-    invalid keys."""
+    """Indices read one iteration ahead: a partial last tile, topk_length and invalid keys."""
     from nsa_backend.configs.sparse_mla import AttnConfig
     from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
 
@@ -306,13 +305,13 @@ DECODE_CPU = [
         s_q=2, h_q=5, topk=57, num_blocks=4, frac_invalid=0.2, sink=True, topk_len=True, pad_pages=True,
     ),
     _decode_param(
-        "fp8-late-groups-integer-split2-sink-topklen",
-        dict(num_splits=2, native_fp8=False, config=("late_groups",)),
+        "fp8-integer-split2-sink-topklen",
+        dict(num_splits=2, native_fp8=False),
         s_q=2, h_q=6, topk=45, num_blocks=4, frac_invalid=0.25, sink=True, topk_len=True, pad_pages=True,
     ),
     _decode_param(
-        "bf16-late-groups-split2",
-        dict(num_splits=2, config=("late_groups",)),
+        "bf16-split2",
+        dict(num_splits=2),
         h_q=4, topk=30, kv_format="bf16", scale_format="pow2", num_blocks=2, topk_len=True,
     ),
     _decode_param(
@@ -330,7 +329,7 @@ def test_decode_matches_reference(kw, launch):
 
     launch = dict(launch)
     flags = launch.pop("config", ())
-    cfg = AttnConfig(16, 16, 4, 1, idx_ahead="idx_ahead" in flags, late_groups="late_groups" in flags)
+    cfg = AttnConfig(16, 16, 4, 1, idx_ahead="idx_ahead" in flags)
     a = decode_case(seed=2, **kw)
     run_decode_case(a, str(kw), config=cfg, **launch)
 
@@ -558,16 +557,16 @@ def test_decode_integer_fp8_path_gpu():
 
 @pytest.mark.gpu
 def test_idx_ahead_and_register_cap_gpu():
-    """The sm_90 tiles (indices read ahead, register caps) and late group loads on every head count, whatever
+    """The sm_90 tiles (indices read ahead, register caps) and the 32-head tile on every head count, whatever
     routing picks."""
     from nsa_backend.configs.sparse_mla import AttnConfig
     from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
 
     rnd = random.Random(5)
     dec_cfgs = [AttnConfig(16, 32, 4, 4, idx_ahead=True), AttnConfig(32, 32, 4, 3, idx_ahead=True),
-                AttnConfig(32, 32, 4, 2, late_groups=True)]
+                AttnConfig(32, 32, 4, 2)]
     pre_cfgs = [AttnConfig(16, 32, 4, 3, maxnreg=128), AttnConfig(32, 64, 8, 2, maxnreg=128),
-                AttnConfig(16, 32, 4, 3, idx_ahead=True), AttnConfig(32, 32, 4, 2, late_groups=True)]
+                AttnConfig(16, 32, 4, 3, idx_ahead=True), AttnConfig(32, 32, 4, 2)]
     for i, c in enumerate(decode_fuzz_cases(8, seed=11)):
         cfg = dec_cfgs[i % len(dec_cfgs)]
         launch = {"config": cfg, "num_splits": rnd.choice([None, 1, 3])}

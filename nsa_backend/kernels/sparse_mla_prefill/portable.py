@@ -20,8 +20,7 @@ key indices), a block of ``BLOCK_H`` heads and one split of the key list:
   iteration the compiler keeps one key buffer and waits for every gather right before its MMAs;
   without it, the gather has no in-iteration dependency and is pipelined over ``num_stages``
   buffers (for keys feeding the MMAs directly);
-- each latent group is converted right before its ``q . k`` MMA. ``LATE_GROUPS`` also loads groups
-  1-3 there instead of with the rest of the key (fewer registers live, the loads issued later).
+- each latent group is converted right before its ``q . k`` MMA (one converted group live at a time).
 
 Outputs: ``SPLIT=False`` writes the final bf16 ``out``, the natural-log ``lse`` (``+inf`` for a row
 without a valid key) and, when ``HAS_MAX``, ``max_logits``; ``attn_sink`` is applied here.
@@ -163,7 +162,7 @@ def _sparse_mla_fwd_kernel(
     D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr,
-    IDX_AHEAD: tl.constexpr, LATE_GROUPS: tl.constexpr,
+    IDX_AHEAD: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
 ):
     # The 512 latent dims are handled as four groups of 128 (the fp8_ds_mla scale groups): four
@@ -218,26 +217,19 @@ def _sparse_mla_fwd_kernel(
             b_idx = tl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
         (m_n, p_row, r0, s0, s1, s2, s3, b_kr) = _sparse_mla_gather(
             kv_ptr, b_idx, n_slots, page_size, stride_page, stride_row, BLOCK_N, D_ROPE, KV_FP8)
-        if not LATE_GROUPS:
-            r1 = _sparse_mla_group(p_row, m_n, 1)
-            r2 = _sparse_mla_group(p_row, m_n, 2)
-            r3 = _sparse_mla_group(p_row, m_n, 3)
+        r1 = _sparse_mla_group(p_row, m_n, 1)
+        r2 = _sparse_mla_group(p_row, m_n, 2)
+        r3 = _sparse_mla_group(p_row, m_n, 3)
         # Each group is converted right before its QK MMA, so that one converted group at a time is
         # live next to the accumulators (all four converted first, ptxas spilled 336 B per thread
         # in the 32-head fp8 decode on sm_120; 204 B this way).
         # [BN, 128] keys, [BH, BN] scores
         b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE)
         b_s = _sparse_mla_mma(b_q0, tl.trans(b_k0))
-        if LATE_GROUPS:
-            r1 = _sparse_mla_group(p_row, m_n, 1)
         b_k1 = _sparse_mla_dequant(r1, s1, KV_FP8, FP8_NATIVE)
         b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
-        if LATE_GROUPS:
-            r2 = _sparse_mla_group(p_row, m_n, 2)
         b_k2 = _sparse_mla_dequant(r2, s2, KV_FP8, FP8_NATIVE)
         b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
-        if LATE_GROUPS:
-            r3 = _sparse_mla_group(p_row, m_n, 3)
         b_k3 = _sparse_mla_dequant(r3, s3, KV_FP8, FP8_NATIVE)
         b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
         if D_ROPE > 0:
