@@ -1,0 +1,46 @@
+"""``bench/proxy_sweeps.py``'s command line: bad arguments end in one line naming the problem (exit 2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "proxy_sweeps.py"
+
+
+@pytest.fixture(scope="module")
+def sweeps():
+    spec = importlib.util.spec_from_file_location("proxy_sweeps", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bogus", "--out", "x"], "argument sweeps: invalid choice: 'bogus'"),
+    (["paged"], "the following arguments are required: --out"),
+])
+def test_bad_arguments(sweeps, capsys, argv, says):
+    with pytest.raises(SystemExit) as exc:
+        sweeps.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU refusal")
+def test_refuses_without_a_gpu(sweeps, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        sweeps.main(["paged", "v4", "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_every_sweep_has_a_runner(sweeps):
+    assert set(sweeps.SWEEPS) == {"paged", "v4", "decode"}
+    for name in sweeps.SWEEPS:
+        assert callable(getattr(sweeps, f"sweep_{name}"))
