@@ -221,6 +221,13 @@ def ragged_config(num_heads: int, head_dim: int, arch: int | None) -> LogitsConf
     return replace(last, cols=max(last.cols, hp), num_stages=1)
 
 
+def _paged_tuned(kind: str, arch: int | None) -> dict[tuple[int, int], LogitsConfig]:
+    """The arch's entries by ``(HP, rows)`` that replace :data:`PAGED_CONFIGS` (none for most archs)."""
+    if kind == "wgmma":
+        return PAGED_WGMMA_TUNED
+    return PAGED_SM120_TUNED if arch in (120, 121) else {}
+
+
 def paged_config(num_heads: int, next_n: int, head_dim: int, arch: int | None) -> LogitsConfig:
     """Decode configuration: ``cols = rows * HP`` query columns per program.
 
@@ -233,7 +240,7 @@ def paged_config(num_heads: int, next_n: int, head_dim: int, arch: int | None) -
     kind = arch_kind(arch)
     candidates = PAGED_CONFIGS[kind]
     rows = padded_next_n(next_n)
-    tuned = (PAGED_WGMMA_TUNED if kind == "wgmma" else PAGED_SM120_TUNED if arch in (120, 121) else {}).get((hp, rows))
+    tuned = _paged_tuned(kind, arch).get((hp, rows))
     if tuned is not None and tuned.shared_bytes_estimate(head_dim, native) <= budget:
         return tuned
     while True:
