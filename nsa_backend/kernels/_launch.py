@@ -20,6 +20,7 @@ default.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,14 @@ from nsa_backend import envs
 # Signatures kept per kernel; beyond this the cache starts over (shapes of a served model are few).
 MAX_SIGNATURES = 512
 _UNCACHEABLE = object()
+# keyword values keyed by value (constexprs and launch options)
+_PLAIN = frozenset({type(None), bool, int, float, str})
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints, for grids (``triton.cdiv`` is a JIT function: a slower call on the host)."""
+    return -(-a // b)
 
 
 def _arg_key(arg: Any) -> Any:
@@ -50,13 +58,39 @@ def _arg_key(arg: Any) -> Any:
     return _UNCACHEABLE
 
 
+def _arg_keys(args: tuple[Any, ...], constexpr: tuple[bool, ...]) -> tuple[Any, ...] | None:
+    """:func:`_arg_key` of every positional argument, constexprs by value, in one pass (this runs on every
+    launch: no call per argument for the common types); ``None`` when one of them cannot be keyed."""
+    keys = []
+    append = keys.append
+    for arg, const in zip(args, constexpr):
+        cls = arg.__class__
+        if const:
+            append(arg)
+        elif cls is int:
+            append((arg == 1, arg % 16 == 0, _INT32_MIN <= arg <= _INT32_MAX, arg >= 2**63))
+        elif cls is torch.Tensor:
+            append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif arg is None or cls is bool:
+            append(arg)
+        elif cls is float:
+            append(float)
+        else:  # subclasses (parameters, int enums) and anything else: the general rule
+            key = _arg_key(arg)
+            if key is _UNCACHEABLE:
+                return None
+            append(key)
+    return tuple(keys)
+
+
 def _no_hook(hook: Any) -> bool:
     # Triton < 3.5 keeps None when no hook is set, later versions an empty HookChain (its `calls`)
     return hook is None or (hasattr(hook, "calls") and not hook.calls)
 
 
 def _enabled() -> bool:
-    return (envs.get(envs.FAST_LAUNCH, "0") == "1" and not envs.triton_interpret()
+    # Kernels decorated under TRITON_INTERPRET=1 are no JITFunction and never get here (CachedLauncher._jit).
+    return (envs.get(envs.FAST_LAUNCH, "0") == "1"
             and _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook))
 
 
@@ -88,13 +122,12 @@ class CachedLauncher:
         self._plans: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
 
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., Any]:
-        if not (self._jit and _enabled()):  # the default: Triton's own launch, nothing in between
+        if not (self._jit and _enabled()):  # Triton's own launch, nothing in between
             return self.kernel[grid]
-        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+        return functools.partial(self._launch, grid)
 
-    def launch(self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Launch on ``grid`` with ``args`` (positional, the kernel's first parameters) and ``kwargs``."""
-        key = self._key(args, kwargs) if self._jit and _enabled() else None
+    def _launch(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
+        key = self._key(args, kwargs)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
             compiled = self.kernel[grid](*args, **kwargs)
@@ -104,24 +137,26 @@ class CachedLauncher:
                 self._plans[key] = (compiled, self._tail(args, kwargs))
             return
         compiled, tail = plan
-        device = key[0]
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,
+        compiled.run(grid[0], g1, g2, driver.active.get_current_stream(key[0]), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *tail)
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:
-        arg_keys = tuple(arg if const else _arg_key(arg) for arg, const in zip(args, self._constexpr))
-        if any(k is _UNCACHEABLE for k in arg_keys):
+        arg_keys = _arg_keys(args, self._constexpr)
+        if arg_keys is None:
             return None
         for value in kwargs.values():
-            if not (value is None or isinstance(value, (bool, int, float, str))):
+            if value.__class__ not in _PLAIN:
                 return None
         heuristics = ()
         if self._heuristics:
-            named = {**dict(zip(self._arg_names, args)), **kwargs}
-            heuristics = tuple(heur(named) for heur in self._heuristics.values())
-        return (torch.cuda.current_device(), arg_keys, tuple(sorted(kwargs.items())), heuristics)
+            named = dict(zip(self._arg_names, args))
+            named.update(kwargs)
+            heuristics = tuple([heur(named) for heur in self._heuristics.values()])
+        # keywords in the order of the call: a call site passes them in one order; another order is
+        # another signature (compiled once more by Triton, never a wrong kernel)
+        return (torch.cuda.current_device(), arg_keys, tuple(kwargs.items()), heuristics)
 
     def _tail(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """Values of the parameters after the positional ones, as Triton binds them for this signature."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_backend.kernels._launch import _UNCACHEABLE, _arg_key
+from nsa_backend.kernels._launch import _UNCACHEABLE, _arg_key, _arg_keys, cdiv
 from tests.ops._aot import run_aot_script
 
 
@@ -26,6 +26,20 @@ def test_arg_key_tells_apart_what_triton_specialises_on():
     assert _arg_key(None) != _arg_key(False) and _arg_key(True) != _arg_key(False)
     assert _arg_key(0.5) == _arg_key(2.0)  # floats are runtime fp32 arguments
     assert _arg_key(object()) is _UNCACHEABLE
+
+
+def test_arg_keys_of_a_launch_equal_the_key_of_each_argument():
+    t = torch.zeros(64, dtype=torch.float32)
+    param = torch.nn.Parameter(torch.zeros(8))  # a Tensor subclass takes the general rule
+    args = (t, t[1:], None, True, False, 1, 16, 17, 2**31, 0.5, param, 64)
+    constexpr = (False,) * 11 + (True,)
+    assert _arg_keys(args, constexpr) == (*(_arg_key(a) for a in args[:-1]), 64)  # the constexpr by value
+    assert _arg_keys((t, object()), (False, False)) is None
+    assert _arg_keys((t, object()), (False, True)) is not None  # a constexpr is keyed by value
+
+
+def test_cdiv():
+    assert [cdiv(n, 16) for n in (0, 1, 15, 16, 17, 33)] == [0, 1, 1, 1, 2, 3]
 
 
 _BINDING = r"""

@@ -16,7 +16,7 @@ import triton
 
 from nsa_backend.configs import indexer as cfgs
 from nsa_backend.kernels._arch import device_arch, device_sms
-from nsa_backend.kernels._launch import CachedLauncher
+from nsa_backend.kernels._launch import CachedLauncher, cdiv
 from nsa_backend.kernels.indexer import sm90_gluon_paged as gluon_paged
 from nsa_backend.kernels.indexer.fp4 import fp8_fp4_mqa_logits_triton, fp8_fp4_paged_mqa_logits_triton
 from nsa_backend.kernels.indexer.portable import (
@@ -96,7 +96,7 @@ def fp8_mqa_logits_triton(
     cfg = config or cfgs.ragged_config(H, D, arch)
     hp = cfgs.padded_heads(H)
     bq = max(1, cfg.cols // hp)
-    grid = (triton.cdiv(S, bq),)
+    grid = (cdiv(S, bq),)
     _launch_indexer_ragged_logits[grid](
         _fp8_operand(q, native), _fp8_operand(k, native), k_scale, weights,
         cu_seq_len_k_start, cu_seq_len_k_end, out,
@@ -211,12 +211,12 @@ def fp8_paged_mqa_logits_triton(
     cfg = config or cfgs.paged_config(H, next_n, D, arch)
     block_n = cfg.block_n
     chunk = chunk or cfgs.paged_chunk(B, max_context_len, device_sms(q.device), block_n, cfg.resident)
-    chunk = triton.cdiv(chunk, block_n) * block_n  # tiles start at multiples of block_n
+    chunk = cdiv(chunk, block_n) * block_n  # tiles start at multiples of block_n
     stride_page = kv_cache.stride(0)
     aligned = stride_page % 4 == 0 and kv_cache.data_ptr() % 4 == 0
     hp = cfgs.padded_heads(H)
     rows = max(1, cfg.cols // hp)
-    grid = (B * triton.cdiv(next_n, rows), triton.cdiv(max_context_len, chunk))
+    grid = (B * cdiv(next_n, rows), cdiv(max_context_len, chunk))
     _launch_indexer_paged_logits[grid](
         _fp8_operand(q, native), kv_cache, weights, context_lens, block_table, out,
         H, max_context_len, num_pages, block_table.shape[1], block_table.stride(0), stride_page,

@@ -30,12 +30,11 @@ The DeepSeek-V4 cache (584-byte tokens, a second cache and index list) has its o
 from __future__ import annotations
 
 import torch
-import triton
 
 from nsa_backend.configs.sparse_mla import AttnConfig, decode_config, decode_num_splits, heads_per_program, split_keys
 from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._gluon import gluon_enabled
-from nsa_backend.kernels._launch import CachedLauncher
+from nsa_backend.kernels._launch import CachedLauncher, cdiv
 from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as ws
 from nsa_backend.kernels.sparse_mla_decode.merge import merge_pdl, merge_splits
 from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import (
@@ -72,7 +71,7 @@ def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: t
     """``(config, num_splits, keys_per_split)`` for a decode call (shapes and device only)."""
     arch = device_arch(device)
     cfg = config or decode_config(heads_per_program(h_q, arch), arch, kv_format == "fp8_ds_mla")
-    head_blocks = triton.cdiv(h_q, cfg.block_h)
+    head_blocks = cdiv(h_q, cfg.block_h)
     if num_splits is None:
         sms = device_sms(device, FALLBACK_NUM_SMS)
         splits, per = decode_num_splits(B * s_q, head_blocks, topk, cfg.block_n, sms, cfg.block_h)
@@ -172,7 +171,7 @@ def sparse_mla_decode_triton(
     arch = device_arch(dev)
     R = B * s_q
     idx = indices.view(R, topk)
-    head_blocks = triton.cdiv(h_q, cfg.block_h)
+    head_blocks = cdiv(h_q, cfg.block_h)
     common = dict(
         D_ROPE=d_qk - d_v, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         KV_FP8=fp8, FP8_NATIVE=fp8_native(arch) if native_fp8 is None else native_fp8,

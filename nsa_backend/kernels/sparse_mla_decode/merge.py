@@ -17,7 +17,7 @@ import triton.language as tl
 from nsa_backend import envs
 from nsa_backend.configs.sparse_mla import MERGE_BLOCK_H, MERGE_NUM_WARPS, merge_block_d
 from nsa_backend.kernels._arch import device_capability, device_sms
-from nsa_backend.kernels._launch import CachedLauncher
+from nsa_backend.kernels._launch import CachedLauncher, cdiv
 from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_bf16
 
 try:  # grid dependency control (Triton >= 3.4 on CUDA)
@@ -98,7 +98,7 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, attn_sink: torch.
     last programs.
     """
     R, splits, h_q, d_v = part_o.shape
-    head_blocks = triton.cdiv(h_q, MERGE_BLOCK_H)
+    head_blocks = cdiv(h_q, MERGE_BLOCK_H)
     block_d = merge_block_d(R * head_blocks, d_v, device_sms(part_o.device))
     pdl = merge_pdl(part_o.device)
     _launch_merge[(R, head_blocks, d_v // block_d)](

@@ -29,13 +29,12 @@ from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_bf16, _s
 from nsa_backend.reference import V4_DATA_BYTES, V4_HEAD_DIM
 
 BLOCK_H = 16
-# 16-key tiles over 4 warps: the [16 x 512] fp32 accumulator is four [16 x 128] tiles and each 128-wide group of
-# keys is decoded right before its q . k MMA. Ahead of time (bench/results/aot/): no spill on any arch, 49 KB of
-# shared memory (two programs per SM on the 99 KiB parts), 19.5 instructions per mma.sync in the loop on sm_120
-# (32 with the integer e4m3 decoding of sm_86); the former 512-wide tile over 8 warps issued 45.5.
-# 32-key tiles also compile without spills (82 KB) and time 1.5x (h_q 64) / 1.15x (h_q 128) faster under the
-# sm120 proxy (bench/results/h100-proxy-sm120/sweeps); the default stays at the tile size the GPU fuzz covers.
-BLOCK_K = 16
+# 32-key tiles over 4 warps: the [16 x 512] fp32 accumulator is four [16 x 128] tiles and each 128-wide group of
+# keys is decoded right before its q . k MMA. Ahead of time (bench/results/aot/): no spill on any arch, 82 KB of
+# shared memory (one program per SM on the 99 KiB parts). Under the sm120 proxy they time 1.5x (h_q 64) / 1.15x
+# (h_q 128) faster than 16-key tiles (49 KB, two programs per SM; bench/results/h100-proxy-sm120/sweeps), and
+# natively on an H100 1.55x / 1.15x (bench/results/h100/v4-k32-0f8bca1).
+BLOCK_K = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
 

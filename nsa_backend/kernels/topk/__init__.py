@@ -8,11 +8,10 @@ docstring there describes the paths (register-resident, sieve, whole-row and spl
 from __future__ import annotations
 
 import torch
-import triton
 
 from nsa_backend.configs import topk as cfgs
 from nsa_backend.kernels._arch import device_sms
-from nsa_backend.kernels._launch import CachedLauncher
+from nsa_backend.kernels._launch import CachedLauncher, cdiv
 from nsa_backend.kernels.topk.portable import (
     _topk_filter_kernel,
     _topk_finish_kernel,
@@ -204,7 +203,7 @@ def logical_to_global_indices_triton(
     if out.numel() == 0:
         return out
     B, M = block_table.shape
-    grid = (R, triton.cdiv(K, cfgs.L2G_BLOCK))
+    grid = (R, cdiv(K, cfgs.L2G_BLOCK))
     _launch_topk_logical_to_global[grid](
         indices, block_table, req_ids, out, K, B, M, block_table.stride(0), page_size,
         BLOCK=cfgs.L2G_BLOCK, num_warps=cfgs.L2G_NUM_WARPS,
