@@ -5,11 +5,13 @@ entries; each candidate is first compared with the shipped launch on the same in
 absolute difference), then timed. One JSON list per sweep is written to ``--out``.
 
     DISABLE_MMA_V3=1 NSA_BACKEND_FORCE_ARCH=sm120 NSA_BACKEND_GLUON=0 \\
-        python bench/proxy_sweeps.py paged v4 decode --out bench/results/h100-proxy-sm120/sweeps
+        python bench/proxy_sweeps.py paged v4 decode ragged --out bench/results/h100-proxy-sm120/sweeps
 
 - ``paged``: ``fp8_paged_mqa_logits`` at B 128, context 32K, H 64 / 32, next_n 1 / 2 (CUDA graph).
 - ``v4``: the DeepSeek-V4 decode tile (BLOCK_H, BLOCK_K, warps) at B 128, h_q 64 / 128, context 32K,
   top-k 512 plus the 128-token window (CUDA graph).
+- ``ragged``: ``fp8_mqa_logits`` at 4096 queries over 16K causal keys, H 64 / 32 (eager calls); candidates
+  whose shared-memory estimate exceeds the sm_120 budget are left out.
 - ``decode``: the sparse MLA decode tile over the fp8_ds_mla cache at B 128, top-k 2048, h_q 64 / 32 / 16
   (tile shape and warps; eager calls).
 """
@@ -28,14 +30,20 @@ import torch
 import nsa_backend.kernels.sparse_mla_decode.v4 as v4
 from nsa_backend.bench import peers
 from nsa_backend.bench import sparse_mla as bench_sparse_mla
-from nsa_backend.bench.indexer import paged_inputs
+from nsa_backend.bench.indexer import paged_inputs, ragged_inputs
 from nsa_backend.bench.timing import bench_ms
-from nsa_backend.configs.indexer import LogitsConfig, paged_config
+from nsa_backend.configs.indexer import (
+    SHARED_MEMORY_MARGIN,
+    LogitsConfig,
+    paged_config,
+    ragged_config,
+    shared_memory_budget,
+)
 from nsa_backend.configs.sparse_mla import AttnConfig
 from nsa_backend.kernels import indexer as kernels_indexer
 from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
 
-SWEEPS = ("paged", "v4", "decode")
+SWEEPS = ("paged", "v4", "decode", "ragged")
 
 
 def _measure(run: Callable[[], torch.Tensor], ref: torch.Tensor, graph: bool,
@@ -107,6 +115,29 @@ def sweep_decode() -> list[dict]:
     return rows
 
 
+def sweep_ragged() -> list[dict]:
+    rows = []
+    S, N, D, arch = 4096, 16384, 128, 120
+    budget = shared_memory_budget(arch) * SHARED_MEMORY_MARGIN
+    for H in (64, 32):
+        q, kv, w, ks, ke = ragged_inputs(S, N, H, D)
+        args = (q, kv, w, ks, ke)
+        ref = kernels_indexer.fp8_mqa_logits_triton(*args)
+        candidates = [ragged_config(H, D, arch), LogitsConfig(64, 128, 4, 4), LogitsConfig(64, 128, 4, 2),
+                      LogitsConfig(128, 128, 4, 2), LogitsConfig(128, 128, 8, 2), LogitsConfig(128, 128, 8, 3),
+                      LogitsConfig(64, 256, 4, 3), LogitsConfig(64, 256, 8, 3), LogitsConfig(32, 128, 4, 4),
+                      LogitsConfig(64, 128, 8, 3)]
+        for cfg in candidates:
+            if cfg.shared_bytes_estimate(D, True) > budget:
+                rows.append({"H": H, "cfg": str(cfg), "ms": None, "err": "over the sm_120 shared-memory budget"})
+                continue
+            def run(cfg=cfg, args=args):
+                return kernels_indexer.fp8_mqa_logits_triton(*args, config=cfg)
+            ms, err = _measure(run, ref, graph=False, iters=10)
+            rows.append({"H": H, "cfg": str(cfg), "ms": ms, "err": err})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", choices=SWEEPS, help="sweeps to run")
@@ -115,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the sweeps time GPU kernels: no CUDA device is visible")
     args.out.mkdir(parents=True, exist_ok=True)
-    runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode}
+    runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode, "ragged": sweep_ragged}
     for name in args.sweeps:
         rows = runners[name]()
         (args.out / f"sweep_{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
