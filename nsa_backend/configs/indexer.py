@@ -90,10 +90,14 @@ def arch_kind(arch: int | None) -> str:
 # sm_90 entries were tuned on an H200 (S 4096, N 32768 causal, D 128): 64 x 128 tiles with 4 stages
 # reached 929 useful TFLOP/s at H 64, 64 x 256 (8 query rows per tile) 915 at H 32; tiles of 128
 # keys, 8 warps, were 10-30 % slower. ``RAGGED_WGMMA_COLS`` picks the query columns per head count.
+# The 99 KiB parts (sm_86 / 89 / 120 / 121) take 128-key tiles over 4 warps and 2 stages: under the sm120
+# proxy (an H200, S 4096, N 16384 causal, D 128; bench/proxy_sweeps.py ragged) 1.16x (H 64) / 1.19x (H 32)
+# faster than the 64-key tiles with 3 stages; 8 warps, 256 query columns and 32-key tiles were slower.
 RAGGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
     "wgmma": (LogitsConfig(64, 128, 4, 4), LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 2)),
     "big": (LogitsConfig(128, 128, 8, 3), LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 2)),
-    "small": (LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 2), LogitsConfig(32, 128, 4, 2)),
+    "small": (LogitsConfig(128, 128, 4, 2), LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 2),
+              LogitsConfig(32, 128, 4, 2)),
 }
 
 RAGGED_WGMMA_COLS: dict[int, int] = {16: 256, 32: 256, 64: 128, 128: 128}
