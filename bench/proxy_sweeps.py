@@ -14,6 +14,10 @@ absolute difference), then timed. One JSON list per sweep is written to ``--out`
   whose shared-memory estimate exceeds the sm_120 budget are left out.
 - ``decode``: the sparse MLA decode tile over the fp8_ds_mla cache at B 128, top-k 2048, h_q 64 / 32 / 16
   (tile shape and warps; eager calls).
+- ``mhc``: ``tf32_hc_prenorm_gemm`` at N 24, K 28672, M 1024-8192 (CUDA graph): the shipped route against
+  the stacked bf16 parts of ``b`` with tiles whose programs per SM fit the 100 KiB an sm_120 SM holds,
+  with and without programmatic dependent launch; ``of_copy`` is the read of ``a`` over the copy rate
+  measured in the same run, ``err`` the largest difference from the fp32 product over its RMS.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import nsa_backend.kernels.sparse_mla_decode.v4 as v4
 from nsa_backend.bench import peers
 from nsa_backend.bench import sparse_mla as bench_sparse_mla
 from nsa_backend.bench.indexer import paged_inputs, ragged_inputs
+from nsa_backend.bench.limits import copy_gbps
 from nsa_backend.bench.timing import bench_ms
+from nsa_backend.configs import mhc as cfgs_mhc
 from nsa_backend.configs.indexer import (
     SHARED_MEMORY_MARGIN,
     LogitsConfig,
@@ -41,9 +47,12 @@ from nsa_backend.configs.indexer import (
 )
 from nsa_backend.configs.sparse_mla import AttnConfig
 from nsa_backend.kernels import indexer as kernels_indexer
+from nsa_backend.kernels import mhc as kernels_mhc
 from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
 
-SWEEPS = ("paged", "v4", "decode", "ragged")
+SWEEPS = ("paged", "v4", "decode", "ragged", "mhc")
+# Shared memory of one sm_120 / sm_121 SM: the programs per SM of a candidate must fit it together.
+SM120_SHARED_PER_SM = 100 * 1024
 
 
 def _measure(run: Callable[[], torch.Tensor], ref: torch.Tensor, graph: bool,
@@ -138,6 +147,56 @@ def sweep_ragged() -> list[dict]:
     return rows
 
 
+# Stacked-parts tiles (block_m, block_k, warps, stages) with the programs per SM they are planned for.
+MHC_PARTS_TILES = (((64, 64, 4, 4), 1), ((64, 64, 4, 5), 1), ((128, 64, 8, 3), 1), ((128, 64, 4, 3), 1),
+                   ((64, 128, 4, 2), 1), ((64, 64, 4, 3), 2), ((128, 32, 8, 4), 2), ((64, 32, 4, 6), 2))
+
+
+def _sweep_mhc_shape(M: int, N: int, K: int, copy: float, sms: int) -> list[dict]:
+    dev = torch.device("cuda")
+    a = torch.randn(M, K, device=dev).to(torch.bfloat16)
+    b = torch.randn(N, K, device=dev) / K**0.5
+    ref = a.float() @ b.T
+    rms = ref.pow(2).mean().sqrt().item()
+    d = torch.empty(M, N, device=dev)
+    sq = torch.empty(M, device=dev)
+    block_n = cfgs_mhc.block_n_for(N)
+    rows = []
+
+    def measure(run: Callable[[], None], name: str, **extra) -> None:
+        try:
+            run()
+            err = (d - ref).abs().max().item() / rms
+            ms = bench_ms(run, 10, 40, graph=True)
+            rows.append({"M": M, "cfg": name, "ms": ms, "of_copy": a.numel() * 2 / ms / 1e6 / copy, "err": err,
+                         **extra})
+        except (RuntimeError, ValueError) as exc:
+            rows.append({"M": M, "cfg": name, "ms": None, "err": f"{type(exc).__name__}: {str(exc)[:80]}"})
+
+    measure(lambda: kernels_mhc.tf32_hc_prenorm_gemm_triton(a, b, d, sq), "shipped")
+    for tile, per_sm in MHC_PARTS_TILES:
+        cfg = cfgs_mhc.GemmConfig(*tile)
+        if per_sm * cfg.shared_bytes_estimate(block_n, True, cfgs_mhc.PARTS_PRECISION) > SM120_SHARED_PER_SM:
+            continue
+        plan = kernels_mhc.split_plan(M, N, K, 1, cfg.block_m, cfg.block_k, sms, per_sm)
+        for pdl in (False, True):
+            def run(cfg=cfg, plan=plan, pdl=pdl):
+                kernels_mhc._launch(a, b, d, sq, 1, block_n, cfg, plan, cfgs_mhc.PARTS_PRECISION, True, pdl, True)
+            measure(run, f"parts {list(tile)} per_sm {per_sm}" + (" pdl" if pdl else ""), plan=list(plan))
+    return rows
+
+
+def sweep_mhc() -> list[dict]:
+    dev = torch.device("cuda")
+    copy = copy_gbps(dev, 2 * 2**30)
+    _, sms = kernels_mhc._arch_and_sms(dev)
+    rows = []
+    for M in (1024, 2048, 4096, 8192):
+        rows += _sweep_mhc_shape(M, 24, 28672, copy, sms)
+        torch.cuda.empty_cache()
+    return [*rows, {"copy_gbps": copy}]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", choices=SWEEPS, help="sweeps to run")
@@ -146,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the sweeps time GPU kernels: no CUDA device is visible")
     args.out.mkdir(parents=True, exist_ok=True)
-    runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode, "ragged": sweep_ragged}
+    runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode, "ragged": sweep_ragged, "mhc": sweep_mhc}
     for name in args.sweeps:
         rows = runners[name]()
         (args.out / f"sweep_{name}.json").write_text(json.dumps(rows, indent=1) + "\n")

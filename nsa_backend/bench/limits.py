@@ -38,7 +38,8 @@ def limit_sizes(device: str | torch.device, quick: bool) -> dict[str, int]:
     return {"copy_bytes": 2 * 2**30, "matmul_n": 8192}
 
 
-def _copy_gbps(device: torch.device, nbytes: int, warmup: float, rep: float) -> float:
+def copy_gbps(device: torch.device, nbytes: int, warmup: float = 25.0, rep: float = 100.0) -> float:
+    """Device-to-device copy rate of ``nbytes`` (bytes read plus written per second, in GB/s)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src), warmup, rep, device=device)
@@ -100,7 +101,7 @@ def measure_limits(device: str | torch.device, quick: bool,
         def fp8() -> float | None:
             return _fp8_tflops(dev, n, warmup, rep)
     steps = (
-        ("copy_gbps", lambda: _copy_gbps(dev, sizes["copy_bytes"], warmup, rep)),
+        ("copy_gbps", lambda: copy_gbps(dev, sizes["copy_bytes"], warmup, rep)),
         ("bf16_tflops", bf16),
         ("fp8_tflops", fp8),
     )

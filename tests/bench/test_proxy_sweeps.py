@@ -8,6 +8,8 @@ import pathlib
 import pytest
 import torch
 
+from nsa_backend.configs import mhc as cfgs
+
 _PATH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "proxy_sweeps.py"
 
 
@@ -41,6 +43,13 @@ def test_refuses_without_a_gpu(sweeps, capsys, tmp_path):
 
 
 def test_every_sweep_has_a_runner(sweeps):
-    assert set(sweeps.SWEEPS) == {"paged", "v4", "decode", "ragged"}
+    assert set(sweeps.SWEEPS) == {"paged", "v4", "decode", "ragged", "mhc"}
     for name in sweeps.SWEEPS:
         assert callable(getattr(sweeps, f"sweep_{name}"))
+
+
+def test_mhc_candidates_fit_an_sm120_sm(sweeps):
+    # each stacked-parts candidate, times the programs per SM it is planned for, fits one sm_120 SM
+    for tile, per_sm in sweeps.MHC_PARTS_TILES:
+        need = per_sm * cfgs.GemmConfig(*tile).shared_bytes_estimate(32, True, cfgs.PARTS_PRECISION)
+        assert need <= sweeps.SM120_SHARED_PER_SM, (tile, per_sm, need)
