@@ -53,7 +53,6 @@ PRECISIONS: tuple[str, ...] = ("tf32", "bf16x3", "bf16x2")
 # [P, N, K] bf16 (SPLIT_B_BLOCK values per program); the GEMM program (tile and programs per SM by M:
 # PARTS_ROUTES) multiplies the a tile with the stacked parts, keeps the square sums 2-D and reduces them
 # once after the loop; K chunks are planned for the route's programs per SM.
-PARTS_ARCHS: tuple[int, ...] = (90,)
 PARTS_BLOCK_N = 32
 # Precision of the stacked-parts path: "bf16x3" (three parts, about fp32) or "bf16x2" (b ~ hi + lo,
 # 16 significant bits of b, still 32x finer than TF32's rounding; half the stacked tile and MMA work).
@@ -147,6 +146,9 @@ PARTS_ROUTES: tuple[tuple[int, GemmConfig, int], ...] = (
     (3072, GemmConfig(64, 128, 4, 3), 2),
     (1 << 62, GemmConfig(128, 128, 8, 4), 1),
 )
+# Archs of the stacked-parts path, each with its routes.
+PARTS_ARCH_ROUTES: dict[int, tuple[tuple[int, GemmConfig, int], ...]] = {90: PARTS_ROUTES}
+PARTS_ARCHS: tuple[int, ...] = tuple(PARTS_ARCH_ROUTES)
 
 
 def block_n_for(n: int) -> int:
@@ -157,9 +159,11 @@ def block_n_for(n: int) -> int:
     raise ValueError(f"n: expected at most {BLOCK_N_BUCKETS[-1]}, got {n}")
 
 
-def parts_route(m: int) -> tuple[GemmConfig, int]:
-    """``(tile, programs per SM)`` of the stacked-parts path for ``m`` rows (:data:`PARTS_ROUTES`)."""
-    return next(((cfg, per_sm) for max_m, cfg, per_sm in PARTS_ROUTES if m <= max_m), PARTS_ROUTES[-1][1:])
+def parts_route(m: int, arch: int) -> tuple[GemmConfig, int]:
+    """``(tile, programs per SM)`` of the stacked-parts path for ``m`` rows on ``sm_<arch>``
+    (:data:`PARTS_ARCH_ROUTES`)."""
+    routes = PARTS_ARCH_ROUTES[arch]
+    return next(((cfg, per_sm) for max_m, cfg, per_sm in routes if m <= max_m), routes[-1][1:])
 
 
 def uses_b_parts(block_n: int, m: int, arch: int | None, precision: str = DEFAULT_PRECISION) -> bool:
@@ -172,7 +176,7 @@ def gemm_config(n: int, m: int, arch: int | None, precision: str = DEFAULT_PRECI
     """``(block_n, config)`` for ``n`` columns and ``m`` rows on ``sm_<arch>``."""
     block_n = block_n_for(n)
     if uses_b_parts(block_n, m, arch, precision):
-        return block_n, first_fitting((parts_route(m)[0],), arch, SHARED_MEMORY_MARGIN,
+        return block_n, first_fitting((parts_route(m, arch)[0],), arch, SHARED_MEMORY_MARGIN,
                                       lambda c: c.shared_bytes_estimate(block_n, True, PARTS_PRECISION))
     cfg = first_fitting(GEMM_CONFIGS[block_n], arch, SHARED_MEMORY_MARGIN,
                         lambda c: c.shared_bytes_estimate(block_n))
@@ -197,8 +201,9 @@ def shipped_reduce_blocks() -> list[tuple[int, int]]:
 def shipped_configs(arch: int) -> list[tuple[int, GemmConfig, bool]]:
     """Every ``(block_n, config, b_parts)`` :func:`gemm_config` can return on ``sm_<arch>``."""
     out: list[tuple[int, GemmConfig, bool]] = []
+    route_ms = [max_m for max_m, _, _ in PARTS_ARCH_ROUTES.get(arch, ())[:-1]]
     for block_n in BLOCK_N_BUCKETS:
-        for m in (*SMALL_BLOCK_M, *(max_m for max_m, _, _ in PARTS_ROUTES[:-1]), 1 << 30):
+        for m in (*SMALL_BLOCK_M, *route_ms, 1 << 30):
             item = (*gemm_config(block_n, m, arch), uses_b_parts(block_n, m, arch))
             if item not in out:
                 out.append(item)

@@ -275,7 +275,8 @@ from nsa_backend.configs import mhc as cfgs
 from nsa_backend.kernels import mhc
 rows = []
 for arch, (_, cfg, _), even_k, atomic_sums in [
-        (arch, route, even_k, atomic_sums) for arch in cfgs.PARTS_ARCHS for route in cfgs.PARTS_ROUTES
+        (arch, route, even_k, atomic_sums) for arch in cfgs.PARTS_ARCHS if arch // 10 == 9
+        for route in cfgs.PARTS_ARCH_ROUTES[arch]
         for even_k in (False, True) for atomic_sums in (False, True)]:
     sig, cx = mhc._gemm_variant(cfgs.PARTS_BLOCK_N, cfg, cfgs.PARTS_PRECISION, True, mhc._pdl_enabled(arch),
                                 atomic_sums)
@@ -353,7 +354,7 @@ def test_gpu_precision_error(precision):
     arch, sms = kern._arch_and_sms(a.device)
     block_n, cfg = cfgs.gemm_config(n, m, arch, precision)
     b_parts = cfgs.uses_b_parts(block_n, m, arch, precision)
-    per_sm = cfgs.parts_route(m)[1] if b_parts else cfgs.PROGRAMS_PER_SM
+    per_sm = cfgs.parts_route(m, arch)[1] if b_parts else cfgs.PROGRAMS_PER_SM
     plan = kern.split_plan(m, n, k, 1, cfg.block_m, cfg.block_k, sms, per_sm)
     if b_parts:  # the precision the stacked-parts path runs
         precision = cfgs.PARTS_PRECISION
@@ -406,7 +407,7 @@ def test_gpu_b_parts_path(m, n, k, splits, pdl, atomic_sums):
     if arch not in cfgs.PARTS_ARCHS:
         pytest.skip(f"the stacked-parts path is routed on sm_{cfgs.PARTS_ARCHS}, not sm_{arch}")
     s = 1 if splits is None else splits
-    cfg, per_sm = cfgs.parts_route(m)
+    cfg, per_sm = cfgs.parts_route(m, arch)
     plan = kern.split_plan(m, n, k, s, cfg.block_m, cfg.block_k, sms, per_sm)
 
     def run(d_out, sq_out):

@@ -82,7 +82,7 @@ def _plan(m: int, n: int, k: int, num_splits: int, device_index: int | None
     arch, sms = _arch_and_sms(device)
     block_n, config = cfgs.gemm_config(n, m, arch)
     b_parts = cfgs.uses_b_parts(block_n, m, arch)
-    per_sm = cfgs.parts_route(m)[1] if b_parts else cfgs.PROGRAMS_PER_SM
+    per_sm = cfgs.parts_route(m, arch)[1] if b_parts else cfgs.PROGRAMS_PER_SM
     return block_n, config, split_plan(m, n, k, num_splits, config.block_m, config.block_k, sms, per_sm), b_parts
 
 
