@@ -318,6 +318,7 @@ def test_aot_compile_all_archs():
 
 # GPU fuzz: M in 1..8192, N in {8, 24, 32, 128}, K in {7168, 28672}, splits None/1/4/16.
 FUZZ_CASES = 240
+FUZZ_CASES_B_PARTS = 300
 
 
 def _fuzz_shapes(count: int, seed: int = 1234):
@@ -328,6 +329,30 @@ def _fuzz_shapes(count: int, seed: int = 1234):
         shapes.append((max(1, min(m, 8192)), rng.choice([8, 24, 32, 128]), rng.choice([7168, 28672]),
                        rng.choice([None, 1, 4, 16])))
     return shapes
+
+
+@pytest.mark.gpu
+def test_gpu_fuzz_b_parts():
+    """300 shapes the stacked-parts route serves (N 17..32, M above the small tiles), through the
+    public op with the arch's routed tiles (skipped where the arch has no such route)."""
+    from nsa_backend.kernels import mhc as kern
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    arch, _ = kern._arch_and_sms(torch.device("cuda"))
+    if arch not in cfgs.PARTS_ARCHS:
+        pytest.skip(f"the stacked-parts path is routed on sm_{cfgs.PARTS_ARCHS}, not sm_{arch}")
+    rng = random.Random(4321)
+    errs = []
+    for _ in range(FUZZ_CASES_B_PARTS):
+        m, n = round(2 ** rng.uniform(6.03, 13.3)), rng.choice([24, 32])
+        k, splits = rng.choice([7168, 28672]), rng.choice([None, 1, 4, 16])
+        assert cfgs.uses_b_parts(cfgs.block_n_for(n), m, arch)
+        a, b, d, sq = _inputs(m, n, k, splits, "cuda")
+        tf32_hc_prenorm_gemm(a, b, d, sq, splits, impl="triton")
+        errs.append(_check(a, b, d, sq, splits, cfgs.PARTS_PRECISION, (m, n, k, splits)))
+    worst_d, worst_sq = max(e[0] for e in errs), max(e[1] for e in errs)
+    print(f"mhc stacked-parts fuzz on sm_{arch}: {len(errs)} cases, max error d {worst_d:.2e}, "
+          f"sqr_sum {worst_sq:.2e} (of the output RMS)")
 
 
 @pytest.mark.gpu
