@@ -150,7 +150,8 @@ def sweep_ragged() -> list[dict]:
 # Stacked-parts tiles (block_m, block_k, warps, stages) with the programs per SM they are planned for; tiles
 # that spill on sm_120 / sm_86 (ahead-of-time compile: (128, 64, 4, 3), (64, 128, 4, 2)) are left out.
 MHC_PARTS_TILES = (((64, 64, 4, 4), 1), ((64, 64, 4, 5), 1), ((128, 64, 8, 3), 1), ((128, 32, 8, 6), 1),
-                   ((64, 32, 4, 8), 1), ((64, 64, 4, 3), 2), ((128, 32, 8, 4), 2), ((64, 32, 4, 6), 2))
+                   ((64, 32, 4, 8), 1), ((64, 64, 4, 3), 2), ((128, 32, 8, 4), 2), ((64, 32, 4, 6), 2),
+                   ((128, 32, 8, 3), 2), ((128, 32, 4, 4), 2), ((256, 32, 8, 3), 1))
 
 
 def _sweep_mhc_shape(M: int, N: int, K: int, copy: float, sms: int) -> list[dict]:

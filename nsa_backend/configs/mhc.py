@@ -146,8 +146,17 @@ PARTS_ROUTES: tuple[tuple[int, GemmConfig, int], ...] = (
     (3072, GemmConfig(64, 128, 4, 3), 2),
     (1 << 62, GemmConfig(128, 128, 8, 4), 1),
 )
+# The mma.sync archs (sm_80, and the 100 KiB SMs of sm_86 / 89 / 120 / 121): one tile for every M, planned at
+# 2 programs per SM (2 x 49 KB by the estimate). Sweep under the sm120 proxy on an H200 (graph, N = 24,
+# K = 28672; bench/proxy_sweeps.py mhc, candidates whose programs per SM fit 100 KiB and that do not spill):
+# read a at 0.349 / 0.405 / 0.440 / 0.465 of the copy rate at M = 1024 / 2048 / 4096 / 8192 against 0.293 /
+# 0.335 / 0.360 / 0.376 for the in-loop split of b (128, 64, 4, 3); (128, 32, 8, 6) at 1 per SM 0.321-0.414,
+# 64-row tiles 0.23-0.40, 64-column steps 0.25-0.31; programmatic dependent launch equal for this tile and
+# slower for the others (not used here).
+PARTS_ROUTES_MMA_SYNC: tuple[tuple[int, GemmConfig, int], ...] = ((1 << 62, GemmConfig(128, 32, 8, 4), 2),)
 # Archs of the stacked-parts path, each with its routes.
-PARTS_ARCH_ROUTES: dict[int, tuple[tuple[int, GemmConfig, int], ...]] = {90: PARTS_ROUTES}
+PARTS_ARCH_ROUTES: dict[int, tuple[tuple[int, GemmConfig, int], ...]] = {
+    90: PARTS_ROUTES, **dict.fromkeys((80, 86, 89, 120, 121), PARTS_ROUTES_MMA_SYNC)}
 PARTS_ARCHS: tuple[int, ...] = tuple(PARTS_ARCH_ROUTES)
 
 

@@ -271,7 +271,7 @@ def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: b
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": block_n, "BLOCK_K": cfg.block_k, "PRECISION": precision,
                   "B_PARTS": b_parts, "SQ_2D": b_parts, "USE_PDL": pdl and b_parts,
                   "LATE_DEPENDENTS": cfgs.LATE_DEPENDENTS,
-                  "EVEN_K": cfg.block_k == 64, "PARTS_TILE": _parts_tile(precision),
+                  "EVEN_K": 64 % cfg.block_k == 0, "PARTS_TILE": _parts_tile(precision),
                   "BF16_DOT_AS_FP32": False, "SYNC_MMA": cfgs.SYNC_MMA, "ATOMIC_SUMS": atomic_sums and b_parts}
     return signature, constexprs
 
