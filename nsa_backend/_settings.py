@@ -7,7 +7,8 @@ routing decides are still needed lower down:
   ``force_arch`` in the config file), read by ``nsa_backend.kernels._arch.device_arch``;
 - the head count a native package accepts for a call (heads are zero-padded up to it), read by the
   wrappers of ``nsa_backend.native``;
-- the error class of a bad setting, raised by routing's config and by the Gluon switch of the kernels;
+- the error class of a bad setting, raised by routing's config and by the kernels' on/off switches
+  (:func:`env_switch`);
 - the caches built from settings, dropped when a setting changes.
 
 This module imports no other nsa_backend module but ``envs``, so every layer can import it. Routing installs
@@ -25,6 +26,22 @@ from nsa_backend import envs
 
 class ConfigError(ValueError):
     """A config file or environment variable holds an unknown section, key or value."""
+
+
+_SWITCH_VALUES: dict[str, bool] = {"1": True, "true": True, "on": True, "yes": True,
+                                   "0": False, "false": False, "off": False, "no": False}
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """The on/off environment variable ``name`` (``default`` when unset or empty); any other value than
+    0/1/true/false/on/off/yes/no is a :class:`ConfigError` naming the variable."""
+    value = envs.get(name)
+    if value is None:
+        return default
+    switch = _SWITCH_VALUES.get(value.strip().lower())
+    if switch is None:
+        raise ConfigError(f"{name} must be one of 0/1/true/false/on/off/yes/no, got {value!r}")
+    return switch
 
 
 def _forced_arch_from_env() -> str | None:

@@ -21,7 +21,7 @@ import functools
 import triton
 
 from nsa_backend import envs
-from nsa_backend._settings import ConfigError
+from nsa_backend._settings import env_switch
 
 # Oldest Triton release whose Gluon API the kernels are written against.
 GLUON_MIN_TRITON: tuple[int, int] = (3, 6)
@@ -61,18 +61,9 @@ def gluon_enabled(arch: int | None, archs: tuple[int, ...]) -> bool:
     """
     if arch is None or arch not in archs or envs.triton_interpret():
         return False
-    if not _switch_on(envs.get(envs.GLUON, "1")):
+    if not env_switch(envs.GLUON, True):
         return False
     return gluon_importable()
-
-
-def _switch_on(value: str) -> bool:
-    text = value.strip().lower()
-    if text in ("1", "true", "on", "yes"):
-        return True
-    if text in ("0", "false", "off", "no"):
-        return False
-    raise ConfigError(f"{envs.GLUON} must be one of 0/1/true/false/on/off/yes/no, got {value!r}")
 
 
 if gluon_importable():

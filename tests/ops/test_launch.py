@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_backend.kernels._launch import _UNCACHEABLE, _arg_key, _arg_keys, cdiv
+from nsa_backend._settings import ConfigError
+from nsa_backend.kernels._launch import _UNCACHEABLE, _arg_key, _arg_keys, _enabled, cdiv
 from tests.ops._aot import run_aot_script
 
 
@@ -36,6 +37,17 @@ def test_arg_keys_of_a_launch_equal_the_key_of_each_argument():
     assert _arg_keys(args, constexpr) == (*(_arg_key(a) for a in args[:-1]), 64)  # the constexpr by value
     assert _arg_keys((t, object()), (False, False)) is None
     assert _arg_keys((t, object()), (False, True)) is not None  # a constexpr is keyed by value
+
+
+def test_switch_is_on_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("NSA_BACKEND_FAST_LAUNCH", raising=False)
+    assert _enabled()
+    for value, want in (("0", False), ("off", False), ("1", True), ("", True)):
+        monkeypatch.setenv("NSA_BACKEND_FAST_LAUNCH", value)
+        assert _enabled() is want, value
+    monkeypatch.setenv("NSA_BACKEND_FAST_LAUNCH", "fast")
+    with pytest.raises(ConfigError, match="NSA_BACKEND_FAST_LAUNCH must be one of 0/1/true/false/on/off/yes/no"):
+        _enabled()
 
 
 def test_cdiv():
