@@ -6,8 +6,9 @@ so the tables below aim at bytes in flight, not at tensor-core shapes. Two paths
 - stacked parts (:func:`uses_b_parts`): ``b`` is split once per call into its bf16 parts
   (``PARTS_PRECISION``: two for ``bf16x2``, three for ``bf16x3``), which the GEMM loop multiplies as
   one tile of ``2 * block_n`` (``4 * block_n``) rows; one or two programs per SM with deep pipelines
-  (``PARTS_ROUTES``, by ``M``), kernels chained by programmatic dependent launch on
-  ``PDL_ARCHS``. Used where it was measured: the H200 (sm_90), ``block_n == PARTS_BLOCK_N`` (N in
+  (``PARTS_ARCH_ROUTES``: by ``M`` on sm_90, one tile on the mma.sync archs), kernels chained by
+  programmatic dependent launch on ``PDL_ARCHS``. Used on the archs it was measured for (``PARTS_ARCHS``:
+  sm_90 on the H200, the mma.sync archs under the sm120 proxy), ``block_n == PARTS_BLOCK_N`` (N in
   17..32, DeepSeek-V4's N = 24) and ``M`` above the small-M tiles.
 - otherwise ``b`` is read as fp32 and split inside the loop: ``GEMM_CONFIGS[block_n]`` lists
   candidate tiles, best first; :func:`gemm_config` returns the first one whose estimated shared

@@ -204,7 +204,7 @@ def tf32_hc_prenorm_gemm_triton(
 
     ``sqr_sum`` is an fp32 sum on CUDA cores in every mode (error ``3e-7`` of its RMS).
 
-    With the stacked parts (the H200 route for N in 17..32) ``PARTS_PRECISION = "bf16x2"`` keeps 16
+    With the stacked parts (N in 17..32 on ``PARTS_ARCHS``) ``PARTS_PRECISION = "bf16x2"`` keeps 16
     significant bits of ``b`` (``|b - hi - lo| <= 2^-16 |b|``; TF32 keeps 11): H200 error against the
     fp32 reference 1.3e-5 / 2.0e-5 / 4.2e-5 / 8.6e-5 / 1.7e-4 of the output RMS at M = 1024 / 2048 /
     4096 / 8192 / 16384 (N = 24, K = 28672), against 8.8e-6 / 1.8e-5 / 4.1e-5 / 8.5e-5 / 1.7e-4 for

@@ -19,7 +19,7 @@ less, results equal to the fp32 rounding of the additions but not bit-identical 
 
 Two ways to multiply with the fp32 ``b``, chosen by ``nsa_backend.configs.mhc.uses_b_parts``:
 
-- stacked parts (sm_90, N in 17..32, M > 64): a small kernel splits ``b`` once per call into its
+- stacked parts (the archs of ``PARTS_ARCHS``, N in 17..32, M > 64): a small kernel splits ``b`` once per call into its
   bf16 parts, ``[2, N, K]`` for ``bf16x2`` (``b ~ hi + lo``, the shipped ``PARTS_PRECISION``) or
   ``[3, N, K]`` for ``bf16x3``; the GEMM loop multiplies the ``a`` tile with the parts stacked in one
   tile of ``2 * BLOCK_N`` (``4 * BLOCK_N``) rows (one tensor-core MMA per step, both operands straight
@@ -29,8 +29,8 @@ Two ways to multiply with the fp32 ``b``, chosen by ``nsa_backend.configs.mhc.us
   also read, one buffer fewer than the depth at which an in-flight product would be safe, so
   leaving the product in flight let the next load overwrite its ``a`` tile (wrong, run-to-run
   different sums in every variant where ptxas did not serialize the products itself; same speed
-  where it did, as for the shipped tile). The tile and the programs per SM follow ``M``
-  (``PARTS_ROUTES``). On the archs in ``PDL_ARCHS`` (sm_90, Triton >= 3.6) the GEMM and reduction
+  where it did, as for the shipped tile). The tile and the programs per SM follow the arch and ``M``
+  (``PARTS_ARCH_ROUTES``). On the archs in ``PDL_ARCHS`` (sm_90, Triton >= 3.6) the GEMM and reduction
   kernels use programmatic dependent launch: the GEMM starts while the split kernel runs, the
   reduction once every GEMM program has finished its loop (``LATE_DEPENDENTS``), and each waits for
   the kernel before it (``griddepcontrol``) before reading its output. H200 (N = 24, K = 28672, CUDA
