@@ -335,12 +335,13 @@ def mhc_jobs(arch: int) -> list[AotJob]:
         sums = (False, True) if b_parts and cfg_mhc.ATOMIC_CHUNK_SUMS else (False,)
         for precision in precisions:
             for atomic_sums in sums:
-                sig, cx = mhc._gemm_variant(block_n, cfg, precision, b_parts, pdl, atomic_sums)
-                label = (f"BLOCK_N={block_n} BLOCK_M={cfg.block_m} BLOCK_K={cfg.block_k} {precision}"
-                         f"{' parts' if b_parts else ''}{' atomic' if atomic_sums else ''} "
-                         f"warps={cfg.num_warps} stages={cfg.num_stages}")
-                jobs.append(AotJob("mhc", "gemm", label, arch, mhc_kernels._mhc_prenorm_gemm_kernel, sig, cx,
-                                   cfg.num_warps, cfg.num_stages, mhc._GEMM_DIVISIBLE))
+                for even_k in mhc.even_k_variants(cfg.block_k):
+                    sig, cx = mhc._gemm_variant(block_n, cfg, precision, b_parts, pdl, atomic_sums, even_k)
+                    label = (f"BLOCK_N={block_n} BLOCK_M={cfg.block_m} BLOCK_K={cfg.block_k} {precision}"
+                             f"{' parts' if b_parts else ''}{' atomic' if atomic_sums else ''}"
+                             f"{'' if even_k else ' masked-K'} warps={cfg.num_warps} stages={cfg.num_stages}")
+                    jobs.append(AotJob("mhc", "gemm", label, arch, mhc_kernels._mhc_prenorm_gemm_kernel, sig, cx,
+                                       cfg.num_warps, cfg.num_stages, mhc._GEMM_DIVISIBLE))
     parts = any(b_parts for _, _, b_parts in shipped)
     if parts:
         for zero_out in sorted({False, cfg_mhc.ATOMIC_CHUNK_SUMS}):

@@ -231,6 +231,26 @@ def test_config_choice_fits_estimate(arch):
             assert cfg.shared_bytes_estimate(block_n, b_parts, precision) <= SHARED_MEMORY_LIMIT[arch]
 
 
+def test_aot_variants_are_the_launched_ones():
+    """The ahead-of-time compiles of each shipped tile cover the ``EVEN_K`` value its launches take (the
+    kernel's own heuristic) on the DeepSeek-V4 shapes and on a K that is not a multiple of 128."""
+    from nsa_backend.kernels import mhc as kern
+
+    even_k = kern._mhc_prenorm_gemm_kernel.values["EVEN_K"]
+    seen = set()
+    for arch in TARGET_ARCHS:
+        for _, cfg, b_parts in cfgs.shipped_configs(arch):
+            per_sm = cfgs.PROGRAMS_PER_SM
+            if b_parts:
+                per_sm = next(per for _, tile, per in cfgs.PARTS_ARCH_ROUTES[arch] if tile == cfg)
+            for m, k, splits in ((4096, 28672, 1), (2048, 7168, 1), (1024, 28672, 16), (4096, 7232, 1)):
+                split_k, chunk_k, _ = kern.split_plan(m, 24, k, splits, cfg.block_m, cfg.block_k, 132, per_sm)
+                launched = even_k({"K": k, "BLOCK_K": cfg.block_k, "SPLIT_K": split_k, "CHUNK_K": chunk_k})
+                assert launched in kern.even_k_variants(cfg.block_k), (arch, cfg, m, k, splits)
+                seen.add(launched)
+    assert seen == {True, False}  # both kinds of launch occur among the shipped tiles
+
+
 _AOT_SCRIPT = """
 import json, sys
 from concurrent.futures import ProcessPoolExecutor

@@ -24,7 +24,7 @@ from nsa_backend.kernels.mhc.portable import (
     _parts_tile,
 )
 
-__all__ = ["split_plan", "tf32_hc_prenorm_gemm_triton"]
+__all__ = ["even_k_variants", "split_plan", "tf32_hc_prenorm_gemm_triton"]
 
 
 def _arch_and_sms(device: torch.device) -> tuple[int | None, int]:
@@ -263,15 +263,25 @@ def _compile(kernel: Any, signature: dict[str, str], divisible: tuple[str, ...],
     return compile_for_arch(kernel, signature, constexprs, arch, num_warps, num_stages, aligned=divisible)
 
 
+def even_k_variants(block_k: int) -> tuple[bool, ...]:
+    """The ``EVEN_K`` values launches of a tile with ``block_k`` columns per step can take.
+
+    ``K`` and ``SPLIT_K`` are multiples of 64 and ``CHUNK_K`` of ``block_k``, so steps of at most 64
+    columns always divide them; 128-column steps divide them only where ``K`` and the split do.
+    """
+    return (True,) if 64 % block_k == 0 else (True, False)
+
+
 def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: bool, pdl: bool = False,
-                  atomic_sums: bool = False) -> tuple[dict[str, str], dict[str, Any]]:
-    """Signature and constexprs of the GEMM kernel as :func:`_launch` runs it."""
+                  atomic_sums: bool = False, even_k: bool = True) -> tuple[dict[str, str], dict[str, Any]]:
+    """Signature and constexprs of the GEMM kernel as :func:`_launch` runs it (``even_k``: one of
+    :func:`even_k_variants`)."""
     b_parts = b_parts and precision in ("bf16x3", "bf16x2")
     signature = dict(_GEMM_SIGNATURE, b_ptr="*bf16" if b_parts else "*fp32")
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": block_n, "BLOCK_K": cfg.block_k, "PRECISION": precision,
                   "B_PARTS": b_parts, "SQ_2D": b_parts, "USE_PDL": pdl and b_parts,
                   "LATE_DEPENDENTS": cfgs.LATE_DEPENDENTS,
-                  "EVEN_K": 64 % cfg.block_k == 0, "PARTS_TILE": _parts_tile(precision),
+                  "EVEN_K": even_k, "PARTS_TILE": _parts_tile(precision),
                   "BF16_DOT_AS_FP32": False, "SYNC_MMA": cfgs.SYNC_MMA, "ATOMIC_SUMS": atomic_sums and b_parts}
     return signature, constexprs
 
@@ -295,9 +305,11 @@ def compile_shipped(arch: int) -> list[Any]:
         sums = (False, True) if b_parts and cfgs.ATOMIC_CHUNK_SUMS else (False,)
         for precision in precisions:
             for atomic_sums in sums:
-                signature, constexprs = _gemm_variant(block_n, cfg, precision, b_parts, pdl, atomic_sums)
-                out.append(_compile(_mhc_prenorm_gemm_kernel.fn, signature, _GEMM_DIVISIBLE, constexprs, arch,
-                                    cfg.num_warps, cfg.num_stages))
+                for even_k in even_k_variants(cfg.block_k):
+                    signature, constexprs = _gemm_variant(block_n, cfg, precision, b_parts, pdl, atomic_sums,
+                                                          even_k)
+                    out.append(_compile(_mhc_prenorm_gemm_kernel.fn, signature, _GEMM_DIVISIBLE, constexprs, arch,
+                                        cfg.num_warps, cfg.num_stages))
     parts = any(b_parts for _, _, b_parts in shipped)
     if parts:
         for zero_out in sorted({False, cfgs.ATOMIC_CHUNK_SUMS}):
