@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from nsa_backend.configs import indexer as cfg_indexer
-from nsa_backend.configs import mhc as cfg_mhc
 from nsa_backend.configs import sparse_mla as cfg_sparse_mla
 from nsa_backend.configs import topk as cfg_topk
 from nsa_backend.kernels import mhc, slots
@@ -29,7 +28,6 @@ from nsa_backend.kernels.fp8_ds_mla import v4 as fp8_ds_mla_v4
 from nsa_backend.kernels.fp8_ds_mla import v32 as fp8_ds_mla
 from nsa_backend.kernels.indexer import fp4 as indexer_fp4
 from nsa_backend.kernels.indexer import portable as indexer
-from nsa_backend.kernels.mhc import portable as mhc_kernels
 from nsa_backend.kernels.sparse_mla_decode import merge as decode_merge
 from nsa_backend.kernels.sparse_mla_decode import v4 as sparse_mla_v4_decode
 from nsa_backend.kernels.sparse_mla_prefill import portable as sparse_mla_prefill
@@ -325,37 +323,9 @@ def sparse_mla_v4_jobs(arch: int) -> list[AotJob]:
 
 def mhc_jobs(arch: int) -> list[AotJob]:
     """The pre-norm GEMM, split-b and reduce kernels as :func:`nsa_backend.kernels.mhc.compile_shipped`
-    compiles them (the same selection, with readable configuration labels)."""
-    jobs = []
-    shipped = cfg_mhc.shipped_configs(arch)
-    pdl = mhc._pdl_enabled(arch)
-    for block_n, cfg, b_parts in shipped:
-        precisions = [cfg_mhc.PARTS_PRECISION] if b_parts else [
-            p for p in cfg_mhc.PRECISIONS if p == cfg_mhc.DEFAULT_PRECISION or block_n == cfg_mhc.BLOCK_N_BUCKETS[-1]]
-        sums = (False, True) if b_parts and cfg_mhc.ATOMIC_CHUNK_SUMS else (False,)
-        for precision in precisions:
-            for atomic_sums in sums:
-                for even_k in mhc.even_k_variants(cfg.block_k):
-                    sig, cx = mhc._gemm_variant(block_n, cfg, precision, b_parts, pdl, atomic_sums, even_k)
-                    label = (f"BLOCK_N={block_n} BLOCK_M={cfg.block_m} BLOCK_K={cfg.block_k} {precision}"
-                             f"{' parts' if b_parts else ''}{' atomic' if atomic_sums else ''}"
-                             f"{'' if even_k else ' masked-K'} warps={cfg.num_warps} stages={cfg.num_stages}")
-                    jobs.append(AotJob("mhc", "gemm", label, arch, mhc_kernels._mhc_prenorm_gemm_kernel, sig, cx,
-                                       cfg.num_warps, cfg.num_stages, mhc._GEMM_DIVISIBLE))
-    parts = any(b_parts for _, _, b_parts in shipped)
-    if parts:
-        for zero_out in sorted({False, cfg_mhc.ATOMIC_CHUNK_SUMS}):
-            cx = {"NUM_PARTS": mhc._num_parts(cfg_mhc.PARTS_PRECISION), "BLOCK": cfg_mhc.SPLIT_B_BLOCK,
-                  "USE_PDL": pdl, "ZERO_OUT": zero_out}
-            jobs.append(AotJob("mhc", "split_b", f"ZERO_OUT={zero_out}", arch, mhc_kernels._mhc_prenorm_split_b_kernel,
-                               mhc._SPLIT_B_SIGNATURE, cx, cfg_mhc.SPLIT_B_NUM_WARPS, 3, mhc._SPLIT_B_DIVISIBLE))
-    for use_pdl in sorted({False, parts and pdl}):
-        for block_j, block in cfg_mhc.shipped_reduce_blocks():
-            cx = {"BLOCK": block, "BLOCK_J": block_j, "USE_PDL": use_pdl}
-            jobs.append(AotJob("mhc", "reduce", f"BLOCK={block} BLOCK_J={block_j} pdl={use_pdl}", arch,
-                               mhc_kernels._mhc_prenorm_reduce_kernel, mhc._REDUCE_SIGNATURE, cx,
-                               cfg_mhc.REDUCE_NUM_WARPS, 3, mhc._REDUCE_DIVISIBLE))
-    return jobs
+    compiles them (:func:`nsa_backend.kernels.mhc.shipped_variants`, with their readable labels)."""
+    return [AotJob("mhc", v.kind, v.label, arch, v.kernel, v.signature, v.constexprs, v.num_warps, v.num_stages,
+                   v.aligned) for v in mhc.shipped_variants(arch)]
 
 
 def indexer_fp4_jobs(arch: int) -> list[AotJob]:

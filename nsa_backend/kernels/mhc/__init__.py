@@ -7,7 +7,7 @@ ahead-of-time compile of the shipped configurations.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -24,7 +24,7 @@ from nsa_backend.kernels.mhc.portable import (
     _parts_tile,
 )
 
-__all__ = ["even_k_variants", "split_plan", "tf32_hc_prenorm_gemm_triton"]
+__all__ = ["Variant", "even_k_variants", "shipped_variants", "split_plan", "tf32_hc_prenorm_gemm_triton"]
 
 
 def _arch_and_sms(device: torch.device) -> tuple[int | None, int]:
@@ -286,14 +286,27 @@ def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: b
     return signature, constexprs
 
 
-def compile_shipped(arch: int) -> list[Any]:
-    """Compile the kernels with every configuration shipped for ``sm_<arch>`` (ahead of time).
+class Variant(NamedTuple):
+    """One ahead-of-time compilation shipped for an arch: which kernel, a readable label of its
+    configuration, and what the launcher compiles it with."""
 
-    The in-loop path's default precision is compiled with every configuration, the other precisions
-    with the widest N tile (the most shared memory); the stacked-parts path with its precision and
-    launch (``PARTS_PRECISION``, ``PDL_ARCHS``). Returns one
-    :class:`nsa_backend.kernels.aot.CompiledKernel` per compilation; needs ``TRITON_INTERPRET``
-    unset.
+    kind: str
+    label: str
+    kernel: Any
+    signature: dict[str, str]
+    aligned: tuple[str, ...]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+
+def shipped_variants(arch: int) -> list[Variant]:
+    """Every compilation of the GEMM, split-b and reduce kernels shipped for ``sm_<arch>``.
+
+    The in-loop path's default precision with every configuration, the other precisions with the
+    widest N tile (the most shared memory); the stacked-parts path with its precision and launch
+    (``PARTS_PRECISION``, ``PDL_ARCHS``), its chunks stored or added by atomics; each tile in every
+    ``EVEN_K`` variant it can launch (:func:`even_k_variants`).
     """
     out = []
     shipped = cfgs.shipped_configs(arch)
@@ -308,17 +321,30 @@ def compile_shipped(arch: int) -> list[Any]:
                 for even_k in even_k_variants(cfg.block_k):
                     signature, constexprs = _gemm_variant(block_n, cfg, precision, b_parts, pdl, atomic_sums,
                                                           even_k)
-                    out.append(_compile(_mhc_prenorm_gemm_kernel.fn, signature, _GEMM_DIVISIBLE, constexprs, arch,
-                                        cfg.num_warps, cfg.num_stages))
+                    label = (f"BLOCK_N={block_n} BLOCK_M={cfg.block_m} BLOCK_K={cfg.block_k} {precision}"
+                             f"{' parts' if b_parts else ''}{' atomic' if atomic_sums else ''}"
+                             f"{'' if even_k else ' masked-K'} warps={cfg.num_warps} stages={cfg.num_stages}")
+                    out.append(Variant("gemm", label, _mhc_prenorm_gemm_kernel, signature, _GEMM_DIVISIBLE,
+                                       constexprs, cfg.num_warps, cfg.num_stages))
     parts = any(b_parts for _, _, b_parts in shipped)
     if parts:
         for zero_out in sorted({False, cfgs.ATOMIC_CHUNK_SUMS}):
-            out.append(_compile(_mhc_prenorm_split_b_kernel, _SPLIT_B_SIGNATURE, _SPLIT_B_DIVISIBLE,
-                                {"NUM_PARTS": _num_parts(cfgs.PARTS_PRECISION), "BLOCK": cfgs.SPLIT_B_BLOCK,
-                                 "USE_PDL": pdl, "ZERO_OUT": zero_out}, arch, cfgs.SPLIT_B_NUM_WARPS, 3))
+            constexprs = {"NUM_PARTS": _num_parts(cfgs.PARTS_PRECISION), "BLOCK": cfgs.SPLIT_B_BLOCK,
+                          "USE_PDL": pdl, "ZERO_OUT": zero_out}
+            out.append(Variant("split_b", f"ZERO_OUT={zero_out}", _mhc_prenorm_split_b_kernel, _SPLIT_B_SIGNATURE,
+                               _SPLIT_B_DIVISIBLE, constexprs, cfgs.SPLIT_B_NUM_WARPS, 3))
     for use_pdl in sorted({False, parts and pdl}):
         for block_j, block in cfgs.shipped_reduce_blocks():
-            out.append(_compile(_mhc_prenorm_reduce_kernel, _REDUCE_SIGNATURE, _REDUCE_DIVISIBLE,
-                                {"BLOCK": block, "BLOCK_J": block_j, "USE_PDL": use_pdl}, arch,
-                                cfgs.REDUCE_NUM_WARPS, 3))
+            out.append(Variant("reduce", f"BLOCK={block} BLOCK_J={block_j} pdl={use_pdl}", _mhc_prenorm_reduce_kernel,
+                               _REDUCE_SIGNATURE, _REDUCE_DIVISIBLE,
+                               {"BLOCK": block, "BLOCK_J": block_j, "USE_PDL": use_pdl}, cfgs.REDUCE_NUM_WARPS, 3))
     return out
+
+
+def compile_shipped(arch: int) -> list[Any]:
+    """Compile the kernels with every configuration shipped for ``sm_<arch>`` (:func:`shipped_variants`),
+    ahead of time. Returns one :class:`nsa_backend.kernels.aot.CompiledKernel` per compilation; needs
+    ``TRITON_INTERPRET`` unset.
+    """
+    return [_compile(v.kernel, v.signature, v.aligned, v.constexprs, arch, v.num_warps, v.num_stages)
+            for v in shipped_variants(arch)]
