@@ -2,7 +2,10 @@
 
 Run under the sm120 proxy (Hopper MMA off, sm120 routing and configurations) to choose the SM120 / SM121
 entries; each candidate is first compared with the shipped launch on the same inputs (``err``: largest
-absolute difference), then timed. One JSON list per sweep is written to ``--out``.
+absolute difference), then timed. One JSON list per sweep is written to ``--out``. Where
+``NSA_BACKEND_FORCE_ARCH`` names a proxied arch, every SM keeps only that arch's shared memory
+(:func:`nsa_backend.bench.proxy.limit_shared_memory_per_sm`), so candidates run with the programs per SM
+the proxied GPU would hold.
 
     DISABLE_MMA_V3=1 NSA_BACKEND_FORCE_ARCH=sm120 NSA_BACKEND_GLUON=0 \\
         python bench/proxy_sweeps.py paged v4 decode ragged --out bench/results/h100-proxy-sm120/sweeps
@@ -12,8 +15,9 @@ absolute difference), then timed. One JSON list per sweep is written to ``--out`
   top-k 512 plus the 128-token window (CUDA graph).
 - ``ragged``: ``fp8_mqa_logits`` at 4096 queries over 16K causal keys, H 64 / 32 (eager calls); candidates
   whose shared-memory estimate exceeds the sm_120 budget are left out.
-- ``decode``: the sparse MLA decode tile over the fp8_ds_mla cache at B 128, top-k 2048, h_q 64 / 32 / 16
-  (tile shape and warps; eager calls).
+- ``decode``: the sparse MLA decode tile over the fp8_ds_mla cache at B 32 / 128, top-k 2048, h_q 128 / 64 /
+  32 / 16 (tile shape, warps, stages; the top-k list split for one or two programs per SM; eager calls).
+- ``prefill``: the sparse MLA prefill tile at s_q 4096, 32K bf16 keys, top-k 2048, h_q 128 / 64 / 32 / 16.
 - ``mhc``: ``tf32_hc_prenorm_gemm`` at N 24, K 28672, M 1024-8192 (CUDA graph): the shipped route against
   the stacked bf16 parts of ``b`` with tiles whose programs per SM fit the 100 KiB an sm_120 SM holds,
   with and without programmatic dependent launch; ``of_copy`` is the read of ``a`` over the copy rate
@@ -32,7 +36,8 @@ from collections.abc import Callable
 import torch
 
 import nsa_backend.kernels.sparse_mla_decode.v4 as v4
-from nsa_backend.bench import peers
+from nsa_backend._settings import forced_arch
+from nsa_backend.bench import peers, proxy
 from nsa_backend.bench import sparse_mla as bench_sparse_mla
 from nsa_backend.bench.indexer import paged_inputs, ragged_inputs
 from nsa_backend.bench.limits import copy_gbps
@@ -45,14 +50,16 @@ from nsa_backend.configs.indexer import (
     ragged_config,
     shared_memory_budget,
 )
-from nsa_backend.configs.sparse_mla import AttnConfig
+from nsa_backend.configs.sparse_mla import AttnConfig, decode_num_splits
 from nsa_backend.kernels import indexer as kernels_indexer
 from nsa_backend.kernels import mhc as kernels_mhc
+from nsa_backend.kernels.aot import SHARED_MEMORY_PER_SM
 from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
+from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
 
-SWEEPS = ("paged", "v4", "decode", "ragged", "mhc")
+SWEEPS = ("paged", "v4", "decode", "prefill", "ragged", "mhc")
 # Shared memory of one sm_120 / sm_121 SM: the programs per SM of a candidate must fit it together.
-SM120_SHARED_PER_SM = 100 * 1024
+SM120_SHARED_PER_SM = SHARED_MEMORY_PER_SM[120]
 
 
 def _measure(run: Callable[[], torch.Tensor], ref: torch.Tensor, graph: bool,
@@ -106,20 +113,56 @@ def sweep_v4() -> list[dict]:
     return rows
 
 
+# Tiles of the sparse MLA sweeps (block_h, block_n, warps, stages).
+ATTN_TILES = ((32, 32, 4, 2), (32, 16, 4, 2), (32, 16, 4, 3), (32, 32, 4, 1), (16, 32, 4, 2), (16, 16, 4, 2),
+              (16, 32, 4, 3), (32, 32, 8, 2))
+
+
 def sweep_decode() -> list[dict]:
     rows = []
-    candidates = [AttnConfig(bh, bn, w, 2) for bh, bn, w in itertools.product((32, 16), (32, 16), (4, 8))
-                  if not (bh == 16 and w == 8)]
-    for h_q in (64, 32, 16):
-        a = bench_sparse_mla.decode_inputs(128, 1, h_q, 2048, torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for B, h_q in itertools.product((32, 128), (128, 64, 32, 16)):
+        a = bench_sparse_mla.decode_inputs(B, 1, h_q, 2048, torch.device("cuda"))
         args = (a["q"], a["kv_cache"], a["indices"], a["sm_scale"])
         ref = sparse_mla_decode_triton(*args)[0]
         ms, err = _measure(lambda args=args: sparse_mla_decode_triton(*args)[0], ref, graph=False, iters=60)
+        rows.append({"B": B, "h_q": h_q, "cfg": "default", "ms": ms, "err": err})
+        for tile in ATTN_TILES:
+            cfg = AttnConfig(*tile)
+            if cfg.block_h > max(h_q, 16):
+                continue
+            head_blocks = -(-h_q // cfg.block_h)
+            for per_sm in (1, 2):
+                splits = decode_num_splits(B, head_blocks, 2048, cfg.block_n, sms, cfg.block_h, per_sm)[0]
+
+                def run(cfg=cfg, args=args, splits=splits):
+                    return sparse_mla_decode_triton(*args, config=cfg, num_splits=splits)[0]
+                ms, err = _measure(run, ref, graph=False, iters=60)
+                rows.append({"B": B, "h_q": h_q, "cfg": str(cfg), "programs_per_sm": per_sm, "splits": splits,
+                             "ms": ms, "err": err})
+    return rows
+
+
+def sweep_prefill() -> list[dict]:
+    rows = []
+    s_q, s_kv, topk = 4096, 32768, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kv = torch.randn(s_kv, 1, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), device="cuda", dtype=torch.int32, generator=g)
+    for h_q in (128, 64, 32, 16):
+        q = torch.randn(s_q, h_q, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+        ref = flash_mla_sparse_fwd_triton(q, kv, idx, 576**-0.5)[0]
+        ms, err = _measure(lambda q=q: flash_mla_sparse_fwd_triton(q, kv, idx, 576**-0.5)[0], ref, graph=False,
+                           iters=10)
         rows.append({"h_q": h_q, "cfg": "default", "ms": ms, "err": err})
-        for cfg in candidates:
-            def run(cfg=cfg, args=args):
-                return sparse_mla_decode_triton(*args, config=cfg)[0]
-            ms, err = _measure(run, ref, graph=False, iters=60)
+        for tile in ATTN_TILES:
+            cfg = AttnConfig(*tile)
+            if cfg.block_h > max(h_q, 16):
+                continue
+
+            def run(cfg=cfg, q=q):
+                return flash_mla_sparse_fwd_triton(q, kv, idx, 576**-0.5, config=cfg)[0]
+            ms, err = _measure(run, ref, graph=False, iters=10)
             rows.append({"h_q": h_q, "cfg": str(cfg), "ms": ms, "err": err})
     return rows
 
@@ -207,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the sweeps time GPU kernels: no CUDA device is visible")
     args.out.mkdir(parents=True, exist_ok=True)
-    runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode, "ragged": sweep_ragged, "mhc": sweep_mhc}
+    forced = forced_arch()
+    if forced in proxy.PROXY_ARCHS:
+        print(f"shared memory per SM limited to {forced}'s: carveout {proxy.limit_shared_memory_per_sm(forced)} %",
+              flush=True)
+    runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode, "prefill": sweep_prefill,
+               "ragged": sweep_ragged, "mhc": sweep_mhc}
     for name in args.sweeps:
         rows = runners[name]()
         (args.out / f"sweep_{name}.json").write_text(json.dumps(rows, indent=1) + "\n")

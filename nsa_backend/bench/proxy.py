@@ -8,6 +8,13 @@ sm_100) GPU, ``nsa-backend bench --proxy sm120``
   sm_89, 163 KiB on sm_80), its kernels (no Gluon, no native package);
 - disables Triton's Hopper MMA (``DISABLE_MMA_V3=1``), so ``tl.dot`` lowers to ``mma.sync``, the
   tensor-core instruction SM120 and SM8x have (no wgmma, no tcgen05);
+- gives every SM no more shared memory than an SM of the proxied arch holds (``SHARED_MEMORY_PER_SM`` of
+  :mod:`nsa_backend.kernels.aot`:
+  100 KiB on sm_120 / sm_121 / sm_86 / sm_89, 164 KiB on sm_80) by setting each kernel's shared-memory
+  carveout preference as it is loaded (:func:`limit_shared_memory_per_sm`). An H100 / H200 SM holds
+  228 KiB, so without it two programs of an 82 KiB kernel share an SM where sm_120 runs one, and the
+  proxy would time a residency the proxied GPU never has (the sm_120 sparse MLA decode tile ran 1.5x
+  faster on an H100 that way);
 - compiles into a fresh Triton cache, and after the run disassembles every kernel compiled in it
   (:func:`scan_sass`): the proxy holds only when no warpgroup MMA (``HGMMA`` / ``QGMMA``...) is
   left and the kernels' shared memory fits the proxied budget;
@@ -16,12 +23,14 @@ sm_100) GPU, ``nsa-backend bench --proxy sm120``
   fractions of what mma.sync reaches on this GPU.
 
 What the proxy does not model: the proxied chip's memory bandwidth and clocks (an H200 reads 4.8 TB/s,
-an RTX 5090 1.8 TB/s) and instruction rates that differ between the chips. Ratios against the
+an RTX 5090 1.8 TB/s), instruction rates that differ between the chips, and the L1 cache left beside
+the shared memory (larger on an H100 / H200 SM). Ratios against the
 same-run limits are the comparable figures, not the milliseconds.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -30,15 +39,19 @@ import shutil
 import subprocess
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from nsa_backend import envs
-from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT
+from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, SHARED_MEMORY_PER_SM
 from nsa_backend.routing.config import reset_config
 
 # Arch families the proxy stands in for, with their compute capability.
 PROXY_ARCHS: dict[str, int] = {"sm80": 80, "sm86": 86, "sm89": 89, "sm120": 120, "sm121": 121}
+# CUDA driver API enum values (cuda.h).
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81
 # Set while a proxy run is active; benchmark modules then leave the native packages out.
 PROXY_ENV = "NSA_BACKEND_BENCH_PROXY"
 # Warpgroup (Hopper) and tcgen05 (Blackwell) MMA opcodes: none may remain under the proxy.
@@ -56,6 +69,8 @@ class ProxySettings:
     capability: int
     shared_memory_limit: int
     triton_cache_dir: str
+    shared_memory_per_sm: int = 0
+    carveout_percent: int = 0
     disable_mma_v3: bool = True
     gluon: bool = False
 
@@ -92,7 +107,8 @@ def enable(arch: str, capability: tuple[int, int] | None) -> ProxySettings:
 
     Sets ``DISABLE_MMA_V3=1``, ``NSA_BACKEND_FORCE_ARCH=arch``, ``NSA_BACKEND_GLUON=0``, a fresh
     ``TRITON_CACHE_DIR`` (so :func:`scan_sass` sees this run's kernels only) and :data:`PROXY_ENV`,
-    and drops routing decisions cached before.
+    drops routing decisions cached before and limits the shared memory per SM of every kernel loaded
+    from now on (:func:`limit_shared_memory_per_sm`).
     """
     check_arch(arch)
     check_gpu(capability)
@@ -107,8 +123,70 @@ def enable(arch: str, capability: tuple[int, int] | None) -> ProxySettings:
     _reset_triton_cache_dir(cache_dir)
     reset_config()  # routing re-reads the forced arch
     capability_number = PROXY_ARCHS[arch]
+    percent = limit_shared_memory_per_sm(arch)
     return ProxySettings(arch=arch, capability=capability_number,
-                         shared_memory_limit=SHARED_MEMORY_LIMIT[capability_number], triton_cache_dir=cache_dir)
+                         shared_memory_limit=SHARED_MEMORY_LIMIT[capability_number], triton_cache_dir=cache_dir,
+                         shared_memory_per_sm=SHARED_MEMORY_PER_SM[capability_number], carveout_percent=percent)
+
+
+def carveout_percent(per_sm: int, gpu_per_sm: int) -> int:
+    """The carveout preference, in percent of ``gpu_per_sm`` (this GPU's shared memory per SM), that leaves
+    an SM ``per_sm`` bytes: the driver rounds a preference up to the next capacity the SM supports, so
+    the largest percent at or below ``per_sm`` (100 KiB of an H100's 228: 43 %, rounded up to its 100 KiB
+    capacity)."""
+    if not 0 < per_sm <= gpu_per_sm:
+        raise ValueError(f"per_sm: expected 1..{gpu_per_sm} bytes (this GPU's shared memory per SM), got {per_sm}")
+    return max(1, per_sm * 100 // gpu_per_sm)
+
+
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check_cu(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed with CUDA driver error {status}")
+
+
+def gpu_shared_memory_per_sm(device: int = 0) -> int:
+    """Shared memory one SM of CUDA device ``device`` can hold, bytes (the driver's attribute)."""
+    cuda = _libcuda()
+    _check_cu(cuda.cuInit(0), "cuInit")
+    handle, value = ctypes.c_int(), ctypes.c_int()
+    _check_cu(cuda.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+    _check_cu(cuda.cuDeviceGetAttribute(ctypes.byref(value), CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+                                        handle), "cuDeviceGetAttribute")
+    return value.value
+
+
+def carveout_hook(percent: int, set_attribute: Callable[[int, int, int], int]) -> Callable[..., None]:
+    """A Triton kernel-load hook that sets the shared-memory carveout preference ``percent`` on each loaded
+    kernel through ``set_attribute(function, attribute, value)`` (``cuFuncSetAttribute``)."""
+
+    def on_load(module: Any, function: Any, name: str, *_: Any) -> None:
+        if function is None:  # the start-of-load call of hook chains that have one
+            return
+        _check_cu(set_attribute(ctypes.c_void_p(function), CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                ctypes.c_int(percent)), f"cuFuncSetAttribute(carveout {percent} %) of {name}")
+
+    return on_load
+
+
+def limit_shared_memory_per_sm(arch: str, device: int = 0) -> int:
+    """Make every Triton kernel loaded from now on prefer the carveout that leaves each SM of this GPU the
+    shared memory of an ``arch`` SM (``SHARED_MEMORY_PER_SM``); returns the percent set.
+
+    A kernel loaded before the call keeps the driver's choice: call this before the first launch.
+    """
+    from triton import knobs
+
+    percent = carveout_percent(SHARED_MEMORY_PER_SM[PROXY_ARCHS[check_arch(arch)]], gpu_shared_memory_per_sm(device))
+    hooks = knobs.runtime.kernel_load_end_hook
+    if not hasattr(hooks, "add"):
+        raise RuntimeError("--proxy: this Triton has no kernel-load hook chain (knobs.runtime.kernel_load_end_hook); "
+                           "the proxy needs it to limit each SM's shared memory")
+    hooks.add(carveout_hook(percent, _libcuda().cuFuncSetAttribute))
+    return percent
 
 
 def _reset_triton_cache_dir(cache_dir: str) -> None:
@@ -194,7 +272,7 @@ def sass_markdown(settings: dict[str, Any], sass: dict[str, Any]) -> str:
         f"# SASS check of the {settings['arch']} proxy",
         "",
         f"Settings: `DISABLE_MMA_V3=1`, routing forced to `{settings['arch']}`, Gluon off, shared memory "
-        f"budget {settings['shared_memory_limit']} B per block.",
+        f"budget {settings['shared_memory_limit']} B per block" + per_sm_text(settings) + ".",
         "",
         f"Verdict: **{'held' if sass['ok'] else 'broken'}**" + (f" ({sass['problem']})" if sass["problem"] else ""),
         "",
@@ -210,3 +288,10 @@ def sass_markdown(settings: dict[str, Any], sass: dict[str, Any]) -> str:
         lines.append(f"| {k['name']} | {k['shared']} | {k['num_warps']} | {k['warp_mma']} | {k['warpgroup_mma']} "
                      f"| {ops} |")
     return "\n".join(lines) + "\n"
+
+
+def per_sm_text(settings: dict[str, Any]) -> str:
+    """``, <n> B per SM (carveout <p> %)`` where the run limited each SM's shared memory, else empty."""
+    if not settings.get("carveout_percent"):
+        return ""
+    return f", {settings['shared_memory_per_sm']} B per SM (carveout {settings['carveout_percent']} %)"

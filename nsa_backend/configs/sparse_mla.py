@@ -30,8 +30,9 @@ from nsa_backend.configs import (  # noqa: F401 (budget names stay part of this 
 
 BLOCK_H_CHOICES: tuple[int, ...] = (16, 32, 64)
 # Decode split-K planning: programs resident per SM by heads per program (a 64-head program holds
-# about 148 KiB of shared memory on sm_90, so one per SM; H200 sweeps put the best split at one full
-# wave of programs, fewer splits rather than a second partial wave).
+# about 148 KiB of shared memory on sm_90, so one per SM; the 16- and 32-head fp8 decode tiles of the
+# 100 KiB-per-SM parts hold 40-45 KiB, two per SM; H200 sweeps put the best split at one full wave of
+# programs, fewer splits rather than a second partial wave).
 PROGRAMS_PER_SM: dict[int, int] = {16: 2, 32: 2, 64: 1}
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -135,7 +136,9 @@ PREFILL_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
         # 4 warps although the fp8 decode spills (336 B on sm_120): 8 warps (246 registers, no spill) ran
         # slower under the sm_120 proxy (32-head decode at B 128 0.39 vs 0.27 ms, prefill 7.9 vs 4.3 ms)
         32: (AttnConfig(32, 32, 4, 2),),
-        16: (AttnConfig(16, 32, 4, 2),),
+        # 16-key tiles: 37 KiB (bf16), two programs per 100 KiB SM; 16 heads at s_q 4096 took 5.00 against
+        # 5.93 ms for (16, 32, 4, 2) (H100, proxy with sm_120's shared memory per SM)
+        16: (AttnConfig(16, 16, 4, 2),),
     },
 }
 
@@ -152,6 +155,16 @@ DECODE_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
 }
 
 
+# The fp8_ds_mla decode where it differs from DECODE_CONFIGS. On the 100 KiB-per-SM parts one pipeline
+# stage keeps the 32-head tile at 45 KiB, two programs per SM, against 82 KiB and one program with two
+# stages (the raw fp8 rows are converted in registers, so a second buffer of them hides little): B 32 /
+# 128, top-k 2048, 1.21-1.22x / 1.26-1.28x faster at h_q 64 / 128 and 1.13x / 1.17x at h_q 32, although ptxas
+# spills 396 B instead of 204 B (H100, proxy with sm_120's shared memory per SM; bench/proxy_sweeps.py decode).
+DECODE_FP8_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
+    "small": {32: (AttnConfig(32, 32, 4, 1),)},
+}
+
+
 def _pick(table: dict[str, dict[int, tuple[AttnConfig, ...]]], block_h: int, arch: int | None,
           kv_fp8: bool) -> AttnConfig:
     return first_fitting(table[arch_class(arch)][block_h], arch, SHARED_MEMORY_MARGIN,
@@ -164,7 +177,10 @@ def prefill_config(block_h: int, arch: int | None) -> AttnConfig:
 
 
 def decode_config(block_h: int, arch: int | None, kv_fp8: bool) -> AttnConfig:
-    """Configuration of the decode kernel for ``block_h`` heads per program on ``sm_<arch>``."""
+    """Configuration of the decode kernel for ``block_h`` heads per program on ``sm_<arch>`` (over the
+    fp8_ds_mla cache when ``kv_fp8``)."""
+    if kv_fp8 and block_h in DECODE_FP8_CONFIGS.get(arch_class(arch), {}):
+        return _pick(DECODE_FP8_CONFIGS, block_h, arch, kv_fp8)
     return _pick(DECODE_CONFIGS, block_h, arch, kv_fp8)
 
 

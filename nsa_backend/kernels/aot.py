@@ -43,6 +43,21 @@ SHARED_MEMORY_LIMIT: dict[int, int] = {
     121: 99 * 1024,
 }
 
+# Shared memory one SM holds (its largest carveout), in bytes: with the registers it decides how many
+# programs of a kernel run side by side. Every block also reserves SHARED_MEMORY_PER_BLOCK_RESERVED.
+SHARED_MEMORY_PER_SM: dict[int, int] = {
+    80: 164 * 1024,
+    86: 100 * 1024,
+    87: 164 * 1024,
+    89: 100 * 1024,
+    90: 228 * 1024,
+    100: 228 * 1024,
+    103: 228 * 1024,
+    120: 100 * 1024,
+    121: 100 * 1024,
+}
+SHARED_MEMORY_PER_BLOCK_RESERVED = 1024
+
 # Architectures with e4m3 support in Triton (fp8e4nv); older ones read fp8 bytes as uint8.
 FP8_NATIVE_MIN_ARCH = 89
 

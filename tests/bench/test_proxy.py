@@ -130,3 +130,82 @@ def test_cli_rejects_unknown_proxy_arch():
                           text=True, cwd=REPO_ROOT, timeout=300)
     assert proc.returncode == 2
     assert "--proxy: invalid choice: 'sm90'" in proc.stderr
+
+
+@pytest.mark.parametrize(("per_sm", "gpu_per_sm", "percent"), [
+    (100 * 1024, 228 * 1024, 43),  # sm_120 on an H100 / H200: rounded up to its 100 KiB capacity
+    (164 * 1024, 228 * 1024, 71),  # sm_80
+    (228 * 1024, 228 * 1024, 100),
+])
+def test_carveout_percent_stays_within_the_proxied_sm(per_sm, gpu_per_sm, percent):
+    got = proxy.carveout_percent(per_sm, gpu_per_sm)
+    assert got == percent
+    assert got * gpu_per_sm / 100 <= per_sm
+
+
+@pytest.mark.parametrize("per_sm", [0, 229 * 1024])
+def test_carveout_percent_refuses_what_the_gpu_cannot_give(per_sm):
+    with pytest.raises(ValueError, match=r"per_sm: expected 1\.\.233472 bytes"):
+        proxy.carveout_percent(per_sm, 228 * 1024)
+
+
+def test_carveout_hook_sets_the_preference_of_each_loaded_kernel():
+    calls = []
+
+    def set_attribute(function, attribute, value):
+        calls.append((function.value, attribute, value.value))
+        return 0
+
+    hook = proxy.carveout_hook(43, set_attribute)
+    hook(None, None, "k", {}, "h")  # a start-of-load call: nothing loaded yet
+    hook(object(), 0x1234, "k", {}, "h")
+    assert calls == [(0x1234, proxy.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 43)]
+
+
+def test_carveout_hook_reports_a_driver_error_with_the_kernel():
+    hook = proxy.carveout_hook(43, lambda *args: 1)
+    with pytest.raises(RuntimeError, match=r"cuFuncSetAttribute\(carveout 43 %\) of my_kernel failed with CUDA "
+                                           r"driver error 1"):
+        hook(object(), 0x1234, "my_kernel", {}, "h")
+
+
+def test_settings_text_names_the_shared_memory_per_sm():
+    settings = proxy.ProxySettings("sm120", 120, 101376, "/tmp/x", 102400, 43).record()
+    assert proxy.per_sm_text(settings) == ", 102400 B per SM (carveout 43 %)"
+    assert "102400 B per SM (carveout 43 %)" in proxy.sass_markdown(settings, proxy.scan_sass("/nonexistent", 1))
+
+
+# Loads the proxy matmul with a 64 KiB tile (argv[1] == "limit": after limiting each SM to sm_120's shared
+# memory) and prints the programs one SM can hold, as the driver's occupancy calculator counts them.
+_RESIDENT_PROGRAMS = r"""
+import ctypes, sys
+import torch
+from nsa_backend.bench import proxy, triton_matmul
+if sys.argv[1] == "limit":
+    proxy.limit_shared_memory_per_sm("sm120")
+a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+c = torch.empty_like(a)
+kernel = triton_matmul._matmul_kernel[(4,)](a, a, c, 256, 256, 256, 256, 256, 256, BLOCK_M=128, BLOCK_N=128,
+                                            BLOCK_K=32, GROUP_M=4, STAGES=4, num_warps=4, num_stages=4)
+torch.cuda.synchronize()
+n = ctypes.c_int()
+status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+    ctypes.byref(n), ctypes.c_void_p(kernel.function), 128, kernel.metadata.shared)
+assert status == 0, status
+print(kernel.metadata.shared, n.value)
+"""
+
+
+@pytest.mark.gpu
+def test_proxy_holds_as_many_programs_per_sm_as_the_proxied_arch():
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("the proxy runs on sm_90 / sm_100 GPUs")
+    resident = {}
+    for mode in ("free", "limit"):
+        proc = subprocess.run([sys.executable, "-c", _RESIDENT_PROGRAMS, mode], capture_output=True, text=True,
+                              cwd=REPO_ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        shared, resident[mode] = map(int, proc.stdout.split())
+    per_program = shared + 1024  # the driver reserves 1 KiB per block
+    assert resident["limit"] == proxy.SHARED_MEMORY_PER_SM[120] // per_program
+    assert resident["free"] > resident["limit"]
