@@ -101,6 +101,11 @@ RAGGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
 }
 
 RAGGED_WGMMA_COLS: dict[int, int] = {16: 256, 32: 256, 64: 128, 128: 128}
+# The 100 KiB-per-SM parts by padded head count, from a sweep under the sm120 proxy with sm_120's shared
+# memory per SM (an H100, S 4096, N 16384 causal, D 128): one query of 64 heads or two of 32 per tile, 64-key
+# tiles over 3 stages (about 32 KiB, three programs per SM), 3.12 / 1.99 ms at H 64 / 32 against 3.93 / 2.87
+# for RAGGED_CONFIGS["small"]'s first entry (about 48 KiB, one program per SM).
+RAGGED_SMALL_BY_HEADS: dict[int, LogitsConfig] = {64: LogitsConfig(64, 64, 4, 3), 32: LogitsConfig(64, 64, 4, 3)}
 
 # sm_90 decode entries tuned on an H200 (B 128, contexts 4K..64K, H 64, page 64; bytes of KV read per
 # second over the copy rate, CUDA graph): 64-key tiles, 4 warps, 6 stages, scales a tile ahead reached
@@ -121,9 +126,12 @@ PAGED_WGMMA_TUNED: dict[tuple[int, int], LogitsConfig] = {
 # page 64, CUDA graph; each launch checked against the table's choice on the same inputs, equal to 1e-7):
 # 128-key tiles over 2 stages at 64 heads / 2 rows 0.48 ms against 0.79 and at 32 heads / 1 row 0.22
 # against 0.30; the row loop at 32 heads / 2 rows 0.32 against 0.37. At 64 heads / 1 row no candidate beat
-# the table (bench/results/h100-proxy-sm120/sweeps).
+# the table (bench/results/h100-proxy-sm120/sweeps). With sm_120's 100 KiB of shared memory per SM
+# (the proxy's carveout; bench/results/h100-proxy-sm120/sweeps-<commit>), the row loop over 64-key tiles
+# and 3 stages took 0.61 ms at 64 heads / 2 rows against 0.72 for the 128-key tiles; the other entries
+# stayed the fastest.
 PAGED_SM120_TUNED: dict[tuple[int, int], LogitsConfig] = {
-    (64, 2): LogitsConfig(128, 128, 4, 2, resident=4),
+    (64, 2): LogitsConfig(64, 128, 4, 3, row_loop=True, resident=4),
     (32, 1): LogitsConfig(128, 32, 4, 2, resident=4),
     (32, 2): LogitsConfig(64, 64, 4, 3, row_loop=True, resident=4),
 }
@@ -215,6 +223,9 @@ def ragged_config(num_heads: int, head_dim: int, arch: int | None) -> LogitsConf
     budget = shared_memory_budget(arch) * SHARED_MEMORY_MARGIN
     native = fp8_native(arch)
     kind = arch_kind(arch)
+    tuned = RAGGED_SMALL_BY_HEADS.get(hp) if kind == "small" else None
+    if tuned is not None and tuned.shared_bytes_estimate(head_dim, native) <= budget:
+        return tuned
     candidates = RAGGED_CONFIGS[kind]
     for cfg in candidates:
         cols = RAGGED_WGMMA_COLS[hp] if kind == "wgmma" else max(cfg.cols, hp)
