@@ -50,7 +50,7 @@ from nsa_backend.configs.indexer import (
     ragged_config,
     shared_memory_budget,
 )
-from nsa_backend.configs.sparse_mla import AttnConfig, decode_num_splits
+from nsa_backend.configs.sparse_mla import AttnConfig, V4DecodeTile, decode_num_splits
 from nsa_backend.kernels import indexer as kernels_indexer
 from nsa_backend.kernels import mhc as kernels_mhc
 from nsa_backend.kernels.aot import SHARED_MEMORY_PER_SM
@@ -97,19 +97,16 @@ def sweep_paged() -> list[dict]:
 
 def sweep_v4() -> list[dict]:
     rows = []
-    shipped = (v4.BLOCK_H, v4.BLOCK_K, v4.NUM_WARPS)
     for h_q in (64, 128):
         a = peers.v4_decode_inputs(128, h_q, 32768, peers.V4_WINDOW, peers.V4_TOPK, torch.device("cuda"))
         a = {k: a[k] for k in ("q", "kv_cache", "indices", "sm_scale", "topk_length", "extra_kv_cache",
                                "extra_indices", "extra_topk_length")}
         ref = v4.sparse_mla_v4_decode_triton(**a)[0]
-        try:
-            for tile in ((16, 16, 4), (16, 32, 4), (32, 16, 8), (16, 16, 8), (32, 32, 8)):
-                v4.BLOCK_H, v4.BLOCK_K, v4.NUM_WARPS = tile
-                ms, err = _measure(lambda a=a: v4.sparse_mla_v4_decode_triton(**a)[0], ref, graph=True, iters=40)
-                rows.append({"h_q": h_q, "cfg": list(tile), "ms": ms, "err": err})
-        finally:
-            v4.BLOCK_H, v4.BLOCK_K, v4.NUM_WARPS = shipped
+        for tile in ((16, 16, 4), (16, 32, 4), (32, 16, 8), (16, 16, 8), (32, 32, 8)):
+            def run(a=a, tile=tile):
+                return v4.sparse_mla_v4_decode_triton(**a, tile=V4DecodeTile(*tile))[0]
+            ms, err = _measure(run, ref, graph=True, iters=40)
+            rows.append({"h_q": h_q, "cfg": list(tile), "ms": ms, "err": err})
     return rows
 
 

@@ -208,6 +208,35 @@ def split_keys(topk: int, num_splits: int, block_n: int) -> tuple[int, int]:
     return -(-topk // per), per
 
 
+@dataclass(frozen=True)
+class V4DecodeTile:
+    """Launch of the DeepSeek-V4 decode kernel (``nsa_backend/kernels/sparse_mla_decode/v4.py``): heads and keys
+    per program tile, warps, pipeline stages."""
+
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 2
+
+
+# By arch class. 16 heads and 32 keys over 4 warps (82 KB of shared memory, no spill on any arch): natively on an
+# H100 1.55x (h_q 64) / 1.15x (h_q 128) faster than 16-key tiles (bench/results/h100/v4-k32-0f8bca1). On the
+# 100 KiB-per-SM parts, 32 heads and 32 keys over 8 warps (98 KB, one program per SM; ptxas spills 12 B on
+# sm_120, none on sm_86): under the sm120 proxy with sm_120's shared memory per SM (an H100, B 128, context
+# 32K, top-k 512 plus the 128-token window, CUDA graph) 0.25 / 0.48 ms at h_q 64 / 128 against 0.42 / 0.81 for
+# the 16-head tile and 0.33 / 0.64 for 16 heads and 16 keys (49 KB, two per SM).
+V4_DECODE_TILES: dict[str, V4DecodeTile] = {
+    "sm90": V4DecodeTile(16, 32, 4),
+    "sm80": V4DecodeTile(16, 32, 4),
+    "small": V4DecodeTile(32, 32, 8),
+}
+
+
+def v4_decode_tile(arch: int | None) -> V4DecodeTile:
+    """Tile of the DeepSeek-V4 decode kernel on ``sm_<arch>``."""
+    return V4_DECODE_TILES[arch_class(arch)]
+
+
 def shipped_configs(arch: int) -> list[tuple[str, AttnConfig, bool]]:
     """Every ``(kind, config, kv_fp8)`` the selectors can return on ``sm_<arch>``."""
     out: list[tuple[str, AttnConfig, bool]] = []

@@ -308,12 +308,13 @@ def sparse_mla_v4_jobs(arch: int) -> list[AotJob]:
               "extra_n_slots").split():
         sig[n] = "i32"
     mod = sparse_mla_v4_decode
-    cx = dict(BLOCK_H=mod.BLOCK_H, BLOCK_K=mod.BLOCK_K, FP8_NATIVE=arch >= FP8_NATIVE_MIN_ARCH, HAS_SINK=True,
+    tile = cfg_sparse_mla.v4_decode_tile(arch)
+    cx = dict(BLOCK_H=tile.block_h, BLOCK_K=tile.block_k, FP8_NATIVE=arch >= FP8_NATIVE_MIN_ARCH, HAS_SINK=True,
               HAS_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True)
     # pages of 2 * k tokens are 16-byte multiples apart (the runtime specialises the strides)
     aligned = tuple(n for n in sig if n.endswith("_ptr") or n.endswith("stride_page"))
-    return [AotJob("sparse_mla_v4", "decode", f"BLOCK_H={mod.BLOCK_H} BLOCK_K={mod.BLOCK_K} extra", arch,
-                   mod._sparse_mla_v4_decode_kernel, _constexpr(sig, cx), cx, mod.NUM_WARPS, mod.NUM_STAGES,
+    return [AotJob("sparse_mla_v4", "decode", f"BLOCK_H={tile.block_h} BLOCK_K={tile.block_k} extra", arch,
+                   mod._sparse_mla_v4_decode_kernel, _constexpr(sig, cx), cx, tile.num_warps, tile.num_stages,
                    aligned)]
 
 

@@ -8,8 +8,9 @@ size. Keys are the dequantised 512-dim rows, exactly as :func:`nsa_backend.unpac
 (``bf16(fp32(e4m3) * 2^(byte - 127))`` for the 448 latent values, the 64 bf16 rope values as stored);
 ``V`` is the same row. The softmax runs in float32 online over blocks of ``BLOCK_K`` keys.
 
-One program handles one query row and ``BLOCK_H`` heads (16, the smallest ``tl.dot`` tile; extra rows
-are masked, so any ``h_q`` in 1..128 runs without padded heads in memory) and any ``topk``. The 512
+One program handles one query row and ``BLOCK_H`` heads (16 or 32 by arch,
+:func:`nsa_backend.configs.sparse_mla.v4_decode_tile`; extra rows are masked, so any ``h_q`` in 1..128 runs
+without padded heads in memory) and any ``topk``. The 512
 dims are handled as four groups of 128 (three latent groups with two scale bytes each, and the last 64
 latent values beside the 64 rope values), as the V3.2 tile does with its four scale groups: four
 ``[BLOCK_H, 128]`` accumulators, each key group decoded right before its MMA. The e4m3 bytes are
@@ -23,20 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_backend.configs.sparse_mla import V4DecodeTile, v4_decode_tile
 from nsa_backend.kernels._arch import device_arch
 from nsa_backend.kernels.sparse_mla_prefill.common import fp8_native
 from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_bf16, _sparse_mla_mma
 from nsa_backend.reference import V4_DATA_BYTES, V4_HEAD_DIM
-
-BLOCK_H = 16
-# 32-key tiles over 4 warps: the [16 x 512] fp32 accumulator is four [16 x 128] tiles and each 128-wide group of
-# keys is decoded right before its q . k MMA. Ahead of time (bench/results/aot/): no spill on any arch, 82 KB of
-# shared memory (one program per SM on the 99 KiB parts). Under the sm120 proxy they time 1.5x (h_q 64) / 1.15x
-# (h_q 128) faster than 16-key tiles (49 KB, two programs per SM; bench/results/h100-proxy-sm120/sweeps), and
-# natively on an H100 1.55x / 1.15x (bench/results/h100/v4-k32-0f8bca1).
-BLOCK_K = 32
-NUM_WARPS = 4
-NUM_STAGES = 2
 
 
 @triton.jit
@@ -238,6 +230,7 @@ def sparse_mla_v4_decode_triton(
     extra_topk_length: torch.Tensor | None = None,
     *,
     native_fp8: bool | None = None,
+    tile: V4DecodeTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`nsa_backend.sparse_mla_decode` for ``kv_format="fp8_ds_mla_v4"`` (inputs validated).
 
@@ -267,6 +260,9 @@ def sparse_mla_v4_decode_triton(
     native_fp8 : bool, optional
         Decode the e4m3 bytes with Triton's e4m3 type (the default from sm_89 on) or with integer
         operations (sm_80 / sm_86); the same numbers either way.
+    tile : V4DecodeTile, optional
+        Heads and keys per program, warps and stages, overriding the arch's
+        (:func:`nsa_backend.configs.sparse_mla.v4_decode_tile`).
 
     Returns
     -------
@@ -283,13 +279,15 @@ def sparse_mla_v4_decode_triton(
     page, stride_page, n_slots = _pages(kv_cache)
     has_extra = extra_indices is not None
     e_page, e_stride, e_slots = _pages(extra_kv_cache) if has_extra else (1, 0, 0)
+    arch = device_arch(q.device)
     if native_fp8 is None:
-        native_fp8 = fp8_native(device_arch(q.device))
-    grid = (B * s_q, triton.cdiv(h_q, BLOCK_H))
+        native_fp8 = fp8_native(arch)
+    tile = tile or v4_decode_tile(arch)
+    grid = (B * s_q, triton.cdiv(h_q, tile.block_h))
     _sparse_mla_v4_decode_kernel[grid](
         q, kv_cache, indices, topk_length, extra_kv_cache if has_extra else None, extra_indices,
         extra_topk_length if has_extra else None, attn_sink, out, lse, float(sm_scale), s_q, h_q,
         indices.shape[-1], extra_indices.shape[-1] if has_extra else 0, page, stride_page, n_slots, e_page,
-        e_stride, e_slots, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, FP8_NATIVE=native_fp8, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        e_stride, e_slots, BLOCK_H=tile.block_h, BLOCK_K=tile.block_k, FP8_NATIVE=native_fp8,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out, lse
