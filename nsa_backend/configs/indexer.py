@@ -103,8 +103,9 @@ RAGGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
 RAGGED_WGMMA_COLS: dict[int, int] = {16: 256, 32: 256, 64: 128, 128: 128}
 # The 100 KiB-per-SM parts by padded head count, from a sweep under the sm120 proxy with sm_120's shared
 # memory per SM (an H100, S 4096, N 16384 causal, D 128): one query of 64 heads or two of 32 per tile, 64-key
-# tiles over 3 stages (about 32 KiB, three programs per SM), 3.12 / 1.99 ms at H 64 / 32 against 3.93 / 2.87
-# for RAGGED_CONFIGS["small"]'s first entry (about 48 KiB, one program per SM).
+# tiles over 3 stages (sm_120, D 128: 25 KiB, 86-94 registers), 3.12 / 1.99 ms at H 64 / 32 against 3.93 / 2.87
+# for RAGGED_CONFIGS["small"]'s first entry (34 KiB, 254 registers: two programs per SM). Tiles of 64 query
+# columns were not among the candidates of the earlier sweeps.
 RAGGED_SMALL_BY_HEADS: dict[int, LogitsConfig] = {64: LogitsConfig(64, 64, 4, 3), 32: LogitsConfig(64, 64, 4, 3)}
 
 # sm_90 decode entries tuned on an H200 (B 128, contexts 4K..64K, H 64, page 64; bytes of KV read per
