@@ -177,8 +177,12 @@ def sweep_ragged() -> list[dict]:
                       LogitsConfig(64, 256, 4, 3), LogitsConfig(64, 256, 8, 3), LogitsConfig(32, 128, 4, 4),
                       LogitsConfig(64, 128, 8, 3), LogitsConfig(128, 64, 4, 2), LogitsConfig(128, 64, 4, 3),
                       LogitsConfig(64, 64, 4, 3), LogitsConfig(64, 64, 4, 2), LogitsConfig(128, 128, 4, 1),
-                      LogitsConfig(128, 64, 8, 2)]
+                      LogitsConfig(128, 64, 8, 2), LogitsConfig(64, 64, 4, 4), LogitsConfig(32, 64, 4, 4),
+                      LogitsConfig(64, 32, 4, 3), LogitsConfig(64, 32, 4, 4), LogitsConfig(128, 32, 4, 2),
+                      LogitsConfig(128, 32, 4, 3)]
         for cfg in candidates:
+            if cfg.cols < H:  # a program holds every head of its queries
+                continue
             if cfg.shared_bytes_estimate(D, True) > budget:
                 rows.append({"H": H, "cfg": str(cfg), "ms": None, "err": "over the sm_120 shared-memory budget"})
                 continue

@@ -101,12 +101,13 @@ RAGGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
 }
 
 RAGGED_WGMMA_COLS: dict[int, int] = {16: 256, 32: 256, 64: 128, 128: 128}
-# The 100 KiB-per-SM parts by padded head count, from a sweep under the sm120 proxy with sm_120's shared
-# memory per SM (an H100, S 4096, N 16384 causal, D 128): one query of 64 heads or two of 32 per tile, 64-key
-# tiles over 3 stages (sm_120, D 128: 25 KiB, 86-94 registers), 3.12 / 1.99 ms at H 64 / 32 against 3.93 / 2.87
-# for RAGGED_CONFIGS["small"]'s first entry (34 KiB, 254 registers: two programs per SM). Tiles of 64 query
-# columns were not among the candidates of the earlier sweeps.
-RAGGED_SMALL_BY_HEADS: dict[int, LogitsConfig] = {64: LogitsConfig(64, 64, 4, 3), 32: LogitsConfig(64, 64, 4, 3)}
+# The 100 KiB-per-SM parts by padded head count, from sweeps under the sm120 proxy with sm_120's shared
+# memory per SM (an H100, S 4096, N 16384 causal, D 128): one query per tile. At 64 heads 64-key tiles over 3
+# stages (sm_120, D 128: 25 KiB, 86 registers), 3.12 ms against 3.93 for RAGGED_CONFIGS["small"]'s first entry
+# (34 KiB, 254 registers: two programs per SM); at 32 heads 128-key tiles over 2 stages, 1.54 ms against 2.87
+# (and 1.98 for two queries of 32 heads per tile). Tiles of 64 or 32 query columns were not among the
+# candidates of the earlier sweeps.
+RAGGED_SMALL_BY_HEADS: dict[int, LogitsConfig] = {64: LogitsConfig(64, 64, 4, 3), 32: LogitsConfig(128, 32, 4, 2)}
 
 # sm_90 decode entries tuned on an H200 (B 128, contexts 4K..64K, H 64, page 64; bytes of KV read per
 # second over the copy rate, CUDA graph): 64-key tiles, 4 warps, 6 stages, scales a tile ahead reached
