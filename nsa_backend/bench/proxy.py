@@ -8,13 +8,12 @@ sm_100) GPU, ``nsa-backend bench --proxy sm120``
   sm_89, 163 KiB on sm_80), its kernels (no Gluon, no native package);
 - disables Triton's Hopper MMA (``DISABLE_MMA_V3=1``), so ``tl.dot`` lowers to ``mma.sync``, the
   tensor-core instruction SM120 and SM8x have (no wgmma, no tcgen05);
-- gives every SM no more shared memory than an SM of the proxied arch holds (``SHARED_MEMORY_PER_SM`` of
-  :mod:`nsa_backend.kernels.aot`:
-  100 KiB on sm_120 / sm_121 / sm_86 / sm_89, 164 KiB on sm_80) by setting each kernel's shared-memory
-  carveout preference as it is loaded (:func:`limit_shared_memory_per_sm`). An H100 / H200 SM holds
-  228 KiB, so without it two programs of an 82 KiB kernel share an SM where sm_120 runs one, and the
-  proxy would time a residency the proxied GPU never has (the sm_120 sparse MLA decode tile ran 1.5x
-  faster on an H100 that way);
+- gives every SM no more shared memory than an SM of the proxied arch holds (100 KiB on sm_120 / sm_121 /
+  sm_86 / sm_89, 164 KiB on sm_80: ``SHARED_MEMORY_PER_SM`` of :mod:`nsa_backend.kernels.aot`) by setting
+  each kernel's shared-memory carveout preference as it is loaded (:func:`limit_shared_memory_per_sm`).
+  An H100 / H200 SM holds 228 KiB, so without it two programs of an 82 KiB kernel share an SM where
+  sm_120 runs one, and the proxy would time a residency the proxied GPU never has (the sm_120 sparse MLA
+  decode tile ran 1.5x faster on an H100 that way);
 - compiles into a fresh Triton cache, and after the run disassembles every kernel compiled in it
   (:func:`scan_sass`): the proxy holds only when no warpgroup MMA (``HGMMA`` / ``QGMMA``...) is
   left and the kernels' shared memory fits the proxied budget;
@@ -159,7 +158,7 @@ def gpu_shared_memory_per_sm(device: int = 0) -> int:
     return value.value
 
 
-def carveout_hook(percent: int, set_attribute: Callable[[int, int, int], int]) -> Callable[..., None]:
+def carveout_hook(percent: int, set_attribute: Callable[..., int]) -> Callable[..., None]:
     """A Triton kernel-load hook that sets the shared-memory carveout preference ``percent`` on each loaded
     kernel through ``set_attribute(function, attribute, value)`` (``cuFuncSetAttribute``)."""
 
