@@ -53,13 +53,12 @@ from nsa_backend.configs.indexer import (
 from nsa_backend.configs.sparse_mla import AttnConfig, V4DecodeTile, decode_num_splits
 from nsa_backend.kernels import indexer as kernels_indexer
 from nsa_backend.kernels import mhc as kernels_mhc
+from nsa_backend.kernels._launch import cdiv
 from nsa_backend.kernels.aot import SHARED_MEMORY_PER_SM
 from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
 from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
 
 SWEEPS = ("paged", "v4", "decode", "prefill", "ragged", "mhc")
-# Shared memory of one sm_120 / sm_121 SM: the programs per SM of a candidate must fit it together.
-SM120_SHARED_PER_SM = SHARED_MEMORY_PER_SM[120]
 
 
 def _measure(run: Callable[[], torch.Tensor], ref: torch.Tensor, graph: bool,
@@ -128,7 +127,7 @@ def sweep_decode() -> list[dict]:
             cfg = AttnConfig(*tile)
             if cfg.block_h > max(h_q, 16):
                 continue
-            head_blocks = -(-h_q // cfg.block_h)
+            head_blocks = cdiv(h_q, cfg.block_h)
             for per_sm in (1, 2):
                 splits = decode_num_splits(B, head_blocks, 2048, cfg.block_n, sms, cfg.block_h, per_sm)[0]
 
@@ -224,7 +223,8 @@ def _sweep_mhc_shape(M: int, N: int, K: int, copy: float, sms: int) -> list[dict
     measure(lambda: kernels_mhc.tf32_hc_prenorm_gemm_triton(a, b, d, sq), "shipped")
     for tile, per_sm in MHC_PARTS_TILES:
         cfg = cfgs_mhc.GemmConfig(*tile)
-        if per_sm * cfg.shared_bytes_estimate(block_n, True, cfgs_mhc.PARTS_PRECISION) > SM120_SHARED_PER_SM:
+        # the programs per SM of a candidate must fit one sm_120 SM together
+        if per_sm * cfg.shared_bytes_estimate(block_n, True, cfgs_mhc.PARTS_PRECISION) > SHARED_MEMORY_PER_SM[120]:
             continue
         plan = kernels_mhc.split_plan(M, N, K, 1, cfg.block_m, cfg.block_k, sms, per_sm)
         for pdl in (False, True):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nsa_backend.configs import mhc as cfgs
+from nsa_backend.kernels.aot import SHARED_MEMORY_PER_SM
 
 _PATH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "proxy_sweeps.py"
 
@@ -52,4 +53,4 @@ def test_mhc_candidates_fit_an_sm120_sm(sweeps):
     # each stacked-parts candidate, times the programs per SM it is planned for, fits one sm_120 SM
     for tile, per_sm in sweeps.MHC_PARTS_TILES:
         need = per_sm * cfgs.GemmConfig(*tile).shared_bytes_estimate(32, True, cfgs.PARTS_PRECISION)
-        assert need <= sweeps.SM120_SHARED_PER_SM, (tile, per_sm, need)
+        assert need <= SHARED_MEMORY_PER_SM[120], (tile, per_sm, need)
