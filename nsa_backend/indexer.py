@@ -12,11 +12,15 @@ import torch
 
 from nsa_backend._checks import FP8, check_bool, check_int, check_tensor
 from nsa_backend._dispatch import custom_op, get_impl, resolve_impl
+from nsa_backend._replay import ReplayCache
 
 HEAD_DIMS = (64, 128)
 MAX_HEADS = 128
 BLOCK_KV_CHOICES = (32, 64)
 MAX_NEXT_N = 4
+# Recorded eager calls of the decode-path ops (nsa_backend._replay).
+_metadata_replays = ReplayCache("get_paged_mqa_logits_metadata")
+_paged_logits_replays = ReplayCache("fp8_paged_mqa_logits")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,13 +157,18 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
         the end sentinel ``(B, 0)``. Segments are 256 keys long; a 2-D ``context_lens`` is
         scheduled by its last column (the longest row of a causal request), as DeepGEMM does.
     """
+    values = (context_lens, block_kv, num_sms, impl)
+    key = _metadata_replays.key(values)
+    if (replay := _metadata_replays.get(key)) is not None:
+        return replay(values)
     dims: dict[str, int] = {}
     _check_context_lens(context_lens, dims, None)
     check_int(block_kv, "block_kv", choices=BLOCK_KV_CHOICES)
     check_int(num_sms, "num_sms", min_value=1)
     name = resolve_impl("get_paged_mqa_logits_metadata", impl, {"device": context_lens.device,
                                                                 "page_size": block_kv})
-    return _paged_metadata_op(context_lens.contiguous(), block_kv, num_sms, name)
+    return _metadata_replays.run(key, values, name,
+                                 lambda: _paged_metadata_op(context_lens.contiguous(), block_kv, num_sms, name))
 
 
 @custom_op("nsa_backend::fp8_paged_mqa_logits", mutates_args=())
@@ -242,6 +251,10 @@ def fp8_paged_mqa_logits(
     torch.Tensor
         ``[B * next_n, max_context_len]`` ``float32``.
     """
+    values = (q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits, impl)
+    key = _paged_logits_replays.key(values)
+    if (replay := _paged_logits_replays.get(key)) is not None:
+        return replay(values)
     dims: dict[str, int] = {}
     check_tensor(q, "q", dtype=FP8, shape=("B", "next_n", "H", "D"), dims=dims)
     dev = q.device
@@ -259,9 +272,9 @@ def fp8_paged_mqa_logits(
     name = resolve_impl("fp8_paged_mqa_logits", impl, {
         "device": dev, "num_heads": dims["H"], "head_dim": dims["D"], "next_n": dims["next_n"],
         "page_size": kv_cache.shape[1], "context_lens_2d": context_lens.dim() == 2})
-    return _fp8_paged_mqa_logits_op(q.contiguous(), kv_cache, weights.contiguous(), context_lens.contiguous(),
-                                    block_table.contiguous(), schedule_meta.contiguous(), max_context_len,
-                                    clean_logits, name)
+    return _paged_logits_replays.run(key, values, name, lambda: _fp8_paged_mqa_logits_op(
+        q.contiguous(), kv_cache, weights.contiguous(), context_lens.contiguous(), block_table.contiguous(),
+        schedule_meta.contiguous(), max_context_len, clean_logits, name))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 
 from nsa_backend._checks import check_choice, check_float, check_int, check_tensor
 from nsa_backend._dispatch import custom_op, get_impl, resolve_impl
+from nsa_backend._replay import ReplayCache
 from nsa_backend.quant import SCALE_FORMATS
 from nsa_backend.reference import DS_MLA_TOKEN_BYTES, V4_HEAD_DIM, V4_TOKEN_BYTES
 
@@ -31,6 +32,8 @@ MAX_DECODE_S_Q = 16
 KV_FORMATS = ("fp8_ds_mla", "bf16", "fp8_ds_mla_v4")
 # Formats whose decode takes a second (extra) cache and index list, as FlashMLA's DeepSeek-V4 decode.
 EXTRA_KV_FORMATS = ("fp8_ds_mla_v4",)
+# Recorded eager decode calls (nsa_backend._replay).
+_decode_replays = ReplayCache("sparse_mla_decode")
 
 
 def _check_common(h_q: int, d_qk: int, d_v: int, topk: int) -> None:
@@ -261,6 +264,11 @@ def sparse_mla_decode(
     lse : torch.Tensor
         ``[B, h_q, s_q]`` ``float32`` natural-log sum-exp (``+inf`` for rows without a valid slot).
     """
+    values = (q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length, kv_scale_format,
+              extra_kv_cache, extra_indices, extra_topk_length, impl)
+    key = _decode_replays.key(values)
+    if (replay := _decode_replays.get(key)) is not None:
+        return replay(values)
     dims: dict[str, int] = {}
     check_tensor(q, "q", dtype=torch.bfloat16, shape=("B", "s_q", "h_q", "d_qk"), dims=dims)
     dev = q.device
@@ -282,9 +290,9 @@ def sparse_mla_decode(
         "device": dev, "num_heads": dims["h_q"], "d_qk": dims["d_qk"], "topk": dims["topk"], "s_q": dims["s_q"],
         "kv_format": kv_format, "page_size": kv_cache.shape[1],
         "kv_cache_aligned": _pages_aligned(kv_cache) and (extra_kv_cache is None or _pages_aligned(extra_kv_cache))})
-    return _sparse_decode_op(q.contiguous(), kv_cache, indices.contiguous(), float(sm_scale), d_v, kv_format,
-                             attn_sink, topk_length, kv_scale_format, extra_kv_cache, extra_indices,
-                             extra_topk_length, name)
+    return _decode_replays.run(key, values, name, lambda: _sparse_decode_op(
+        q.contiguous(), kv_cache, indices.contiguous(), float(sm_scale), d_v, kv_format, attn_sink, topk_length,
+        kv_scale_format, extra_kv_cache, extra_indices, extra_topk_length, name))
 
 
 def _pages_aligned(cache: torch.Tensor) -> bool:

@@ -22,9 +22,11 @@ with the cached launches, natively and under the sm120 proxy (bench/results/h100
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
@@ -97,6 +99,85 @@ def _enabled() -> bool:
             and _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook))
 
 
+def fast_launch_enabled() -> bool:
+    """Whether launches may skip Triton's own: ``NSA_BACKEND_FAST_LAUNCH`` is not ``0`` and no launch hook
+    (a profiler) is set."""
+    return _enabled()
+
+
+class Launch(NamedTuple):
+    """One launch as :func:`record_launches` saw it: the compiled kernel (``None`` in the CPU interpreter),
+    the grid, the positional arguments, the parameter values bound after them and the CUDA device."""
+
+    compiled: Any
+    grid: tuple[int, int, int]
+    args: tuple[Any, ...]
+    tail: tuple[Any, ...]
+    device: int
+
+
+def run_compiled(compiled: Any, grid: tuple[int, int, int], device: int, args: Sequence[Any]) -> None:
+    """Launch ``compiled`` (a kernel Triton compiled) on the current stream of ``device`` with every
+    argument given (positional ones and the bound tail), skipping Triton's binding."""
+    compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args)
+
+
+_recorder = threading.local()
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[Launch | None]]:
+    """Collect the launches this thread makes through a :class:`CachedLauncher` while the block runs.
+
+    Each launch takes Triton's own path (compiling where needed) and is appended as a :class:`Launch`;
+    a launch without a compiled kernel (the CPU interpreter) is appended as ``None``.
+    """
+    launches: list[Launch | None] = []
+    outer = getattr(_recorder, "launches", None)
+    _recorder.launches = launches
+    try:
+        yield launches
+    finally:
+        _recorder.launches = outer
+
+
+class _LaunchCounter:
+    """A Triton launch-enter hook counting launches of every kernel, in every thread."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, metadata: Any) -> None:
+        self.count += 1
+
+
+@contextlib.contextmanager
+def count_triton_launches() -> Iterator[_LaunchCounter]:
+    """Count every Triton launch while the block runs (``.count``), also launches that bypass
+    :class:`CachedLauncher`. While the hook is set, cached launches take Triton's path (as under a profiler)."""
+    counter = _LaunchCounter()
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # Triton >= 3.5: a chain of hooks
+        hook.add(counter)
+        try:
+            yield counter
+        finally:
+            hook.remove(counter)
+        return
+    knobs.runtime.launch_enter_hook = counter  # Triton 3.4: one hook, None when unset
+    try:
+        yield counter
+    finally:
+        knobs.runtime.launch_enter_hook = hook
+
+
+@functools.cache
+def cached_launcher(kernel: Any) -> CachedLauncher:
+    """The one :class:`CachedLauncher` of ``kernel`` (for kernels chosen per call)."""
+    return CachedLauncher(kernel)
+
+
 class CachedLauncher:
     """``launcher[grid](*args, **kwargs)``: the kernel's own launch, with the compiled kernel reused per
     call signature.
@@ -125,9 +206,20 @@ class CachedLauncher:
         self._plans: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
 
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., Any]:
+        if getattr(_recorder, "launches", None) is not None:
+            return functools.partial(self._record, grid)
         if not (self._jit and _enabled()):  # Triton's own launch, nothing in between
             return self.kernel[grid]
         return functools.partial(self._launch, grid)
+
+    def _record(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
+        compiled = self.kernel[grid](*args, **kwargs)
+        if not self._jit or compiled is None:
+            _recorder.launches.append(None)
+            return
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        _recorder.launches.append(Launch(compiled, grid3, args, self._tail(args, kwargs),
+                                         torch.cuda.current_device()))
 
     def _launch(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
         key = self._key(args, kwargs)
@@ -140,10 +232,8 @@ class CachedLauncher:
                 self._plans[key] = (compiled, self._tail(args, kwargs))
             return
         compiled, tail = plan
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], g1, g2, driver.active.get_current_stream(key[0]), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        run_compiled(compiled, grid3, key[0], (*args, *tail))
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:
         arg_keys = _arg_keys(args, self._constexpr)

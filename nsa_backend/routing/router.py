@@ -118,7 +118,7 @@ def set_active_model(architecture: str | None) -> None:
     """
     global _active_model
     _active_model = architecture
-    clear_cache()
+    _settings.settings_changed()  # clears the decisions here (registered below) and every other cache
 
 
 def active_model() -> str | None:

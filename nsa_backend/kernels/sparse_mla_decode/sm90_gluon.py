@@ -91,6 +91,7 @@ import triton
 from nsa_backend.configs.sparse_mla import decode_num_splits, split_keys
 from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
+from nsa_backend.kernels._launch import cached_launcher
 from nsa_backend.kernels.sparse_mla_decode.merge import merge_splits
 from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E
 
@@ -980,7 +981,7 @@ def sparse_mla_decode_gluon(
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), kv_cache.stride(1))
     if splits == 1:
-        kernel[(head_blocks, R, 1)](
+        cached_launcher(kernel)[(head_blocks, R, 1)](
             q, kv_cache, idx, attn_sink, topk_length, out, lse, *args,
             out.stride(0), out.stride(1), 0, out.stride(2),
             lse.stride(0), lse.stride(2), 0, lse.stride(1),
@@ -989,7 +990,7 @@ def sparse_mla_decode_gluon(
         return out, lse
     part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
     part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
-    kernel[(head_blocks, R, splits)](
+    cached_launcher(kernel)[(head_blocks, R, splits)](
         q, kv_cache, idx, None, topk_length, part_o, part_lse, *args,
         s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
