@@ -149,7 +149,16 @@ def _returns_input(x, bias, factor):
 
 def _raw_launch(x, bias, factor):
     out = _Op.scale(x, bias, factor)
-    knobs.runtime.launch_enter_hook(None)  # a Triton launch outside CachedLauncher
+    knobs.runtime.launch_enter_hook(None)  # a Triton launch outside CachedLauncher: out += 1
+    with _disable_current_modes():
+        out.add_(1.0)
+    return out
+
+
+def _filled(x, bias, factor):
+    out = torch.empty(2 * x.numel())
+    out.fill_(7.0)  # a tensor operation besides the launches
+    _launch_scale(x, bias, out[: x.numel()], factor)
     return out
 
 
@@ -206,12 +215,17 @@ def test_a_descriptor_is_replayed_at_the_same_offset_of_the_new_tensor(stand_in_
     assert op.calls == 1 and len(op.cache) == 1
 
 
-@pytest.mark.parametrize("body", [_copying, _offset_view, _returns_input, _raw_launch, _descriptor_argument])
+@pytest.mark.parametrize("body", [_copying, _offset_view, _returns_input, _raw_launch, _filled,
+                                  _descriptor_argument])
 def test_calls_that_cannot_be_replayed_take_the_ordinary_path_every_time(stand_in_launches, body):
     op = _Op(body)
     for _ in range(3):
         x = torch.randn(8)
         want = x * 2.0
+        if body is _raw_launch:
+            want = want + 1.0
+        elif body is _filled:
+            want = torch.cat([want, torch.full((8,), 7.0)])
         torch.testing.assert_close(op(x), want)
     assert op.calls == 3 and len(op.cache) == 0
 
