@@ -1,29 +1,33 @@
-"""Host time of the parts of one eager decode-path call on a GPU, with the cached launches on.
+"""Host time of the parts of one replayed eager decode-path call on a GPU, in one process.
 
-For the sparse MLA decode (split kernel and merge) and the paged indexer logits at the eager family's
-shapes: the public op, then per kernel launch the signature key of
-:class:`nsa_backend.kernels._launch.CachedLauncher`, the compiled kernel's own ``run`` (Triton's launcher
-alone), the cached launch (key, lookup and ``run``) and Triton's ``kernel[grid](...)``; beside them a
-``torch.empty`` and a one-element torch op. Median microseconds of 300 calls, the GPU idle at each::
+For the decode-path ops at the eager family's shapes (``nsa_backend/bench/eager.py``, ``impl="triton"``):
+first, over several rounds, the public op beside FlashMLA's decode call (the anchor of the eager family,
+when ``flash_mla`` imports) and a ``torch.empty``; then, per recorded call (``nsa_backend/_replay.py``),
+the replay alone, its allocations, each of its kernel launches (Triton's compiled launcher) and, for
+the ops it keys, the signature key. Median microseconds of 300 calls, the GPU idle at each::
 
+    python bench/host_launch_parts.py
     DISABLE_MMA_V3=1 NSA_BACKEND_FORCE_ARCH=sm120 NSA_BACKEND_GLUON=0 python bench/host_launch_parts.py
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from triton.runtime.driver import driver
 
+from nsa_backend import _replay, indexer, sparse_mla, topk
 from nsa_backend.bench import eager
-from nsa_backend.kernels.indexer import _launch_indexer_paged_logits
-from nsa_backend.kernels.sparse_mla_decode import _launch_sparse_mla_fwd
-from nsa_backend.kernels.sparse_mla_decode.merge import _launch_merge
+from nsa_backend.bench import sparse_mla as bench_sparse_mla
+
+OPS = ("sparse_mla_decode", "fp8_paged_mqa_logits", "topk_indices", "get_paged_mqa_logits_metadata")
+CACHES = {"sparse_mla_decode": sparse_mla._decode_replays, "fp8_paged_mqa_logits": indexer._paged_logits_replays,
+          "topk_indices": topk._topk_replays, "get_paged_mqa_logits_metadata": indexer._metadata_replays}
+ROUNDS = 4
 
 
 def host_us(fn: Callable[[], object], calls: int = 300) -> float:
@@ -39,54 +43,61 @@ def host_us(fn: Callable[[], object], calls: int = 300) -> float:
     return statistics.median(times) * 1e6
 
 
-def _recorded_launches(launchers, call) -> list[tuple]:
-    """``(launcher, grid, args, kwargs)`` of the last call of ``call`` through each of ``launchers``."""
-    seen = []
-    for launcher in launchers:
-        def spy(grid, *args, _launcher=launcher, _own=launcher._launch, **kwargs):
-            seen.append((_launcher, grid, args, kwargs))
-            return _own(grid, *args, **kwargs)
-        launcher._launch = spy
+def _anchor(dev: torch.device) -> Callable[[], Any] | None:
     try:
-        call()
-        call()  # the second call of a signature takes the cached path
-    finally:
-        for launcher in launchers:
-            del launcher._launch
-    return seen[-len(launchers):]
+        import flash_mla as fm
+    except Exception:
+        return None
+    a = bench_sparse_mla.decode_inputs(32, 1, 64, eager.TOPK, dev)
+    sched, _ = fm.get_mla_metadata()
+    kw = bench_sparse_mla._legacy(fm.flash_mla_with_kvcache)
+    return lambda: fm.flash_mla_with_kvcache(a["q"], a["kv_cache"], None, None, 512, sched, None,
+                                             softmax_scale=a["sm_scale"], causal=False, is_fp8_kvcache=True,
+                                             indices=a["indices"], **kw)
+
+
+def _recorded_values() -> dict[str, tuple[_replay.Replay, tuple[Any, ...]]]:
+    """Per op, its replay and the arguments of the eager family's call (seen on the next call)."""
+    seen: dict[str, tuple[_replay.Replay, tuple[Any, ...]]] = {}
+    own = _replay.Replay.__call__
+    for op in CACHES:
+        def spy(self, values, _op=op):
+            seen[_op] = (self, values)
+            return own(self, values)
+        _replay.Replay.__call__ = spy
+        try:
+            eager._cases(torch.device("cuda"), quick=False)[op][1]("triton")
+        finally:
+            _replay.Replay.__call__ = own
+    return seen
 
 
 def main() -> int:
     if not torch.cuda.is_available():
         print("host_launch_parts.py: it times launches on a GPU: no CUDA device is visible", file=sys.stderr)
         return 2
-    os.environ["NSA_BACKEND_FAST_LAUNCH"] = "1"  # read at every launch
     dev = torch.device("cuda")
     cases = eager._cases(dev, quick=False)
-    x = torch.zeros(16, device=dev)
-    print(f"torch.empty bf16 [32, 1, 64, 512]: "
-          f"{host_us(lambda: torch.empty(32, 1, 64, 512, dtype=torch.bfloat16, device=dev)):.1f} us")
-    print(f"x.add_(1): {host_us(lambda: x.add_(1)):.1f} us")
-    stream = driver.active.get_current_stream(torch.cuda.current_device())
-    for op, launchers in (("sparse_mla_decode", (_launch_sparse_mla_fwd, _launch_merge)),
-                          ("fp8_paged_mqa_logits", (_launch_indexer_paged_logits,))):
-        call = cases[op][1]
-        print(f"== {op}: public {host_us(lambda call=call: call('triton')):.1f} us")
-        for launcher, grid, args, kwargs in _recorded_launches(launchers, lambda call=call: call("triton")):
-            compiled, tail = launcher._plans[launcher._key(args, kwargs)]
-            g1 = grid[1] if len(grid) > 1 else 1
-            g2 = grid[2] if len(grid) > 2 else 1
+    anchor = _anchor(dev)
+    for _ in range(ROUNDS):
+        row = [f"flash_mla decode {host_us(anchor):.1f}" if anchor else "no flash_mla",
+               f"torch.empty {host_us(lambda: torch.empty(32, 1, 64, 512, dtype=torch.bfloat16, device=dev)):.1f}"]
+        row += [f"{op} {host_us(lambda op=op: cases[op][1]('triton')):.1f}" for op in OPS]
+        print(" | ".join(row), flush=True)
+    for op, (replay, values) in _recorded_values().items():
+        slots = [*values, *(torch.empty_strided(s, st, dtype=d, device=dv) for s, st, d, dv in replay.allocations)]
 
-            def run(c=compiled, grid=grid, g1=g1, g2=g2, args=args, tail=tail):
-                c.run(grid[0], g1, g2, stream, c.function, c.packed_metadata, None, None, None, *args, *tail)
+        def allocate(r=replay):
+            for size, stride, dtype, device in r.allocations:
+                torch.empty_strided(size, stride, dtype=dtype, device=device)
 
-            key = host_us(lambda launcher=launcher, args=args, kwargs=kwargs: launcher._key(args, kwargs))
-            cached = host_us(lambda launcher=launcher, grid=grid, args=args, kwargs=kwargs:
-                             launcher._launch(grid, *args, **kwargs))
-            own = host_us(lambda launcher=launcher, grid=grid, args=args, kwargs=kwargs:
-                          launcher.kernel[grid](*args, **kwargs))
-            print(f"  {len(args)} + {len(tail)} arguments: key {key:.1f} us, compiled run {host_us(run):.1f} us, "
-                  f"cached launch {cached:.1f} us, Triton's launch {own:.1f} us")
+        parts = [f"== {op}: replay {host_us(lambda r=replay, v=values: r(v)):.1f}",
+                 f"{len(replay.allocations)} allocations {host_us(allocate):.1f}"]
+        parts += [f"launch {i} ({len(launch.args)} args) {host_us(lambda x=launch, s=slots: x(s)):.1f}"
+                  for i, launch in enumerate(replay.launches)]
+        cache = CACHES[op]
+        parts.append(f"signature key {host_us(lambda c=cache, v=values: c.key(v)):.1f}")
+        print(" | ".join(parts), flush=True)
     return 0
 
 

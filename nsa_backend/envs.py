@@ -15,7 +15,7 @@
 | NSA_BACKEND_VLLM_INDEXER | str | ``auto`` | replace vLLM's ``SparseAttnIndexer`` (``auto``/``on``/``off``) |
 | NSA_BACKEND_VLLM_HC_PRENORM | str | ``auto`` | route vLLM's mHC pre-norm GEMM to nsa-backend |
 | NSA_BACKEND_GLUON | bool | ``1`` | ``0`` keeps the ``tl`` Triton kernels where a Gluon kernel exists |
-| NSA_BACKEND_FAST_LAUNCH | bool | ``1`` | reuse compiled Triton kernels per call signature (``0``: Triton launches) |
+| NSA_BACKEND_FAST_LAUNCH | bool | ``1`` | reuse kernels, replay eager calls per signature (``0``: Triton launches) |
 | NSA_BACKEND_BENCH_SGLANG_ROOT | path | unset | directory holding ``sglang/`` for the benchmark's ``peers`` family |
 | NSA_BACKEND_CACHE | path | ``~/.cache/nsa-backend`` | where the test scripts keep their virtual environments |
 """

@@ -13,6 +13,10 @@ value; the heuristics' values; the current device. A call Triton would compile d
 never reuses a kernel. The first call of a signature, calls with arguments of other types, the CPU
 interpreter and Triton's launch hooks (profilers) take Triton's own path.
 
+:func:`record_launches` collects the launches made through a :class:`CachedLauncher` while a call runs, and
+:func:`count_triton_launches` counts every Triton launch meanwhile: ``nsa_backend._replay`` builds its replays
+of whole eager calls from them.
+
 On unless ``NSA_BACKEND_FAST_LAUNCH=0``. Measured in one process on an H200 (sm120 proxy), a cached
 launch took 27 / 17 / 21 us against Triton's 46 / 26 / 29 us (sparse decode kernel, its split merge, paged
 logits; bench/results/h200-eager/). The GPU fuzz suites of the indexer, top-k and sparse MLA ops passed
