@@ -15,9 +15,9 @@ type and value; the current device. Nothing reads tensor values on the host.
   grid and arguments), and the number of Triton launches of any kind (a launch Triton made outside a
   ``CachedLauncher`` makes the signature unreplayable).
 
-Every tensor a kernel received must start at the address of exactly one input or allocation; a TMA
-descriptor's base must lie inside exactly one of them (the replay moves it to the same offset of the new
-tensor); every other kernel argument must be a plain scalar; and the call must return allocations.
+Every tensor a kernel received, and every TMA descriptor's base, must lie inside exactly one input or
+allocation (the replay passes the address at the same offset of the new tensor); every other kernel
+argument must be a plain scalar; and the call must return allocations.
 Then a later call with the same signature allocates the same buffers and launches the same compiled
 kernels, with its own tensors in place of the first call's, and does nothing else. Signatures that do
 not qualify keep taking the ordinary path. Only the ``triton`` implementation is recorded (natives and
@@ -114,21 +114,22 @@ class _At:
 
 
 class _ReplayedLaunch:
-    """One kernel launch of a replay: the arguments of the recorded launch; those that were tensors are
-    taken per call from the slots (inputs, then allocations), and TMA descriptors are copied with their
-    base moved to the same offset in their slot's tensor."""
+    """One kernel launch of a replay: the arguments of the recorded launch, with the addresses of this
+    call's tensors (its inputs, then its allocations: the slots) where the recorded launch had tensors,
+    and copies of its TMA descriptors with their base moved likewise. Addresses are passed as integers,
+    which Triton's launcher takes as they are (a tensor costs it a method call and a driver query)."""
 
-    __slots__ = ("args", "compiled", "descriptors", "device", "grid", "slots")
+    __slots__ = ("addresses", "args", "compiled", "descriptors", "device", "grid")
 
     def __init__(self, compiled: Any, grid: tuple[int, int, int], device: int, args: list[Any],
-                 slots: tuple[tuple[int, int], ...], descriptors: tuple[tuple[int, int, int], ...]) -> None:
+                 addresses: tuple[tuple[int, int, int], ...], descriptors: tuple[tuple[int, int, int], ...]) -> None:
         self.compiled, self.grid, self.device, self.args = compiled, grid, device, args
-        self.slots, self.descriptors = slots, descriptors
+        self.addresses, self.descriptors = addresses, descriptors
 
     def __call__(self, slots: list[Any]) -> None:
         args = self.args.copy()
-        for position, slot in self.slots:
-            args[position] = slots[slot]
+        for position, slot, offset in self.addresses:
+            args[position] = slots[slot].data_ptr() + offset
         for position, slot, offset in self.descriptors:
             desc = copy.copy(args[position])
             desc.base = _At(slots[slot].data_ptr() + offset, desc.base.dtype)
@@ -155,25 +156,29 @@ class Replay:
         return tuple([slots[i] for i in outputs])
 
 
-def _slot_of(tensor: Any, slots: list[Any]) -> int | None:
-    """The one slot whose tensor starts where ``tensor`` does (``None``: none, or several)."""
-    ptr = tensor.data_ptr()
-    found = [i for i, value in enumerate(slots) if isinstance(value, torch.Tensor) and value.data_ptr() == ptr]
+def _extent(tensor: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last one (0 when it has no element)."""
+    if tensor.numel() == 0:
+        return 0
+    return (sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride())) + 1) * tensor.element_size()
+
+
+def _locate(ptr: int, slots: list[Any]) -> tuple[int, int] | None:
+    """``(slot, byte offset)`` of the one slot tensor whose elements span address ``ptr`` (``None``: none, or
+    several: overlapping inputs make an address ambiguous)."""
+    found = [(i, ptr - value.data_ptr()) for i, value in enumerate(slots)
+             if isinstance(value, torch.Tensor) and 0 <= ptr - value.data_ptr() < _extent(value)]
     return found[0] if len(found) == 1 else None
 
 
-def _descriptor_slot(desc: Any, slots: list[Any]) -> tuple[int, int] | None:
-    """``(slot, byte offset)`` of the one slot tensor whose bytes hold a TMA descriptor's base address
-    (``None``: no descriptor, or no such slot, or several). The descriptor's other fields (shape,
-    strides, box) are functions of the call's signature; its base is all that moves between calls."""
-    base = getattr(desc, "base", None)
-    if base is None or not hasattr(base, "data_ptr") or not dataclasses.is_dataclass(desc):
+def _descriptor_base(arg: Any) -> int | None:
+    """The base address of a TMA descriptor (a dataclass whose ``base`` has ``data_ptr``), else ``None``.
+    A descriptor's other fields (shape, strides, box) are functions of the call's signature; its base
+    is all that moves between calls."""
+    base = getattr(arg, "base", None)
+    if base is None or not hasattr(base, "data_ptr") or not dataclasses.is_dataclass(arg):
         return None
-    ptr = base.data_ptr()
-    found = [(i, ptr - value.data_ptr()) for i, value in enumerate(slots) if isinstance(value, torch.Tensor)
-             and 0 <= ptr - value.data_ptr() < max(1, value.untyped_storage().nbytes()
-                                                   - value.storage_offset() * value.element_size())]
-    return found[0] if len(found) == 1 else None
+    return base.data_ptr()
 
 
 def _build(values: tuple[Any, ...], result: Any, allocations: list[torch.Tensor], launches: list[Any]) -> Replay | None:
@@ -182,20 +187,23 @@ def _build(values: tuple[Any, ...], result: Any, allocations: list[torch.Tensor]
     replayed = []
     for launch in launches:
         args = [*launch.args, *launch.tail]
-        tensor_slots, descriptors = [], []
+        addresses, descriptors = [], []
         for position, arg in enumerate(args):
+            if arg is None or arg.__class__ in _SCALARS:
+                continue
             if isinstance(arg, torch.Tensor):
-                slot = _slot_of(arg, slots)
-                if slot is None:
-                    return None
-                tensor_slots.append((position, slot))
-                args[position] = None
-            elif arg is not None and arg.__class__ not in _SCALARS:
-                at = _descriptor_slot(arg, slots)
+                at = _locate(arg.data_ptr(), slots) if arg.numel() else None
                 if at is None:
-                    return None  # an object holding the first call's addresses in some other way
-                descriptors.append((position, *at))
-        replayed.append(_ReplayedLaunch(launch.compiled, launch.grid, launch.device, args, tuple(tensor_slots),
+                    return None
+                addresses.append((position, *at))
+                args[position] = None
+                continue
+            base = _descriptor_base(arg)
+            at = _locate(base, slots) if base is not None else None
+            if at is None:
+                return None  # an object holding the first call's addresses in some other way
+            descriptors.append((position, *at))
+        replayed.append(_ReplayedLaunch(launch.compiled, launch.grid, launch.device, args, tuple(addresses),
                                         tuple(descriptors)))
     outputs = result if isinstance(result, tuple) else (result,)
     indices = []

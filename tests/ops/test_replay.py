@@ -8,6 +8,7 @@ compared with Triton's own launches (``NSA_BACKEND_FAST_LAUNCH=0``, nothing reco
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from typing import Any
 
@@ -24,15 +25,25 @@ from nsa_backend.kernels._launch import Launch
 from ._inputs import FP8, decode_args, paged_logits_args
 
 
+def _at(pointer: Any, n: int) -> torch.Tensor | None:
+    """The ``n`` float32 values a stand-in kernel reads at ``pointer`` (a tensor or an address, as
+    Triton's launcher takes them)."""
+    if pointer is None:
+        return None
+    address = pointer if isinstance(pointer, int) else pointer.data_ptr()
+    return torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
+
+
 class _Scale:
-    """Stands in for a compiled kernel: ``out = x * factor + (bias or 0)``."""
+    """Stands in for a compiled kernel: ``out[:n] = x[:n] * factor + (bias[:n] or 0)`` over flat memory."""
 
     function = packed_metadata = None
 
     def run(self, *launch: Any) -> None:
-        x, bias, out, factor, _block = launch[9:]
+        x, bias, out, n, factor, _block = launch[9:]
         with _disable_current_modes():  # a kernel's work is no tensor operation of the call
-            out.copy_(x * factor + (bias if bias is not None else 0))
+            b = _at(bias, n)
+            _at(out, n).copy_(_at(x, n) * factor + (b if b is not None else 0))
 
 
 @pytest.fixture
@@ -43,13 +54,14 @@ def stand_in_launches(monkeypatch):
                                                                           *args))
 
 
-def _launch_scale(x, bias, out, factor):
-    """What ``CachedLauncher`` does for one launch: record it while recording, else run it."""
+def _launch_scale(x, bias, out, factor, extra_tail=(64,)):
+    """What ``CachedLauncher`` does for one launch: record it while recording, and run it."""
     recorded = getattr(_launch._recorder, "launches", None)
+    args = (x, bias, out, x.numel(), factor)
     if recorded is not None:
-        recorded.append(Launch(_Scale(), (1, 1, 1), (x, bias, out, factor), (64,), 0))
+        recorded.append(Launch(_Scale(), (1, 1, 1), args, extra_tail, 0))
         knobs.runtime.launch_enter_hook(None)  # Triton's launch calls the hook
-    _Scale().run(None, None, None, None, None, None, None, None, None, x, bias, out, factor, 64)
+    _Scale().run(None, None, None, None, None, None, None, None, None, *args, 64)
 
 
 class _Op:
@@ -63,7 +75,7 @@ class _Op:
     @staticmethod
     def scale(x, bias, factor):
         out = torch.empty(x.shape)
-        _launch_scale(x, bias, out.view(x.shape), factor)
+        _launch_scale(x, bias, out, factor)
         return out
 
     def __call__(self, x, bias=None, factor=2.0, impl="triton"):
@@ -83,7 +95,8 @@ def test_a_second_call_of_a_signature_replays_with_its_own_tensors(stand_in_laun
     assert op.calls == 1 and len(op.cache) == 1
     # a new signature (shape, strides, a None, a scalar's value or type, the impl) records again
     x = torch.randn(4, 8)
-    for args in [(torch.randn(2, 8), None, 3.0), (x.t(), None, 3.0), (x, None, 3.0), (x, None, 5.0), (x, None, 5)]:
+    for args in [(torch.randn(2, 8), None, 3.0), (x.view(8, 4), None, 3.0), (x, None, 3.0), (x, None, 5.0),
+                 (x, None, 5)]:
         want = args[0] * args[2]
         torch.testing.assert_close(op(*args), want, check_dtype=False)
         torch.testing.assert_close(op(*args), want, check_dtype=False)
@@ -138,8 +151,8 @@ def _copying(x, bias, factor):
 
 def _offset_view(x, bias, factor):
     out = torch.empty(x.numel() + 4)
-    _launch_scale(x, bias, out[4:], factor)  # a view that starts inside an allocation
-    return out[4:]
+    _launch_scale(x, bias, out[4:], factor)  # a kernel writing from inside an allocation on
+    return out[4:]  # a view of it: no allocation is returned
 
 
 def _returns_input(x, bias, factor):
@@ -164,11 +177,8 @@ def _filled(x, bias, factor):
 
 def _descriptor_argument(x, bias, factor):
     out = torch.empty_like(x)
-    recorded = getattr(_launch._recorder, "launches", None)
-    if recorded is not None:  # an object that holds the first call's address, e.g. a TMA descriptor
-        recorded.append(Launch(_Scale(), (1, 1, 1), (x, bias, out, factor), (object(),), 0))
-        knobs.runtime.launch_enter_hook(None)
-    _Scale().run(None, None, None, None, None, None, None, None, None, x, bias, out, factor, 64)
+    # an object that holds the first call's address in a way the replay does not know
+    _launch_scale(x, bias, out, factor, extra_tail=(object(),))
     return out
 
 
@@ -181,36 +191,46 @@ class _Descriptor:
 
 
 class _Gather(_Scale):
-    """``out = x.flatten()[offset:offset + n] * factor``, the input reached through a descriptor."""
+    """``out[:n] = (values at desc.base)[:n] * factor``: the input reached through a descriptor."""
 
     def run(self, *launch: Any) -> None:
-        desc, out, factor = launch[9:]
-        x = _ADDRESSES[desc.base.data_ptr()]
+        desc, out, n, factor = launch[9:]
         with _disable_current_modes():
-            out.copy_(x[: out.numel()] * factor)
-
-
-_ADDRESSES: dict[int, torch.Tensor] = {}
+            _at(out, n).copy_(_at(desc.base, n) * factor)
 
 
 def _through_descriptor(x, bias, factor):
     out = torch.empty(x.numel() - 2)
-    flat = x.view(-1)[2:]  # the descriptor starts 8 bytes into the input
-    desc = _Descriptor(base=flat, rows=out.numel())
-    _ADDRESSES[flat.data_ptr()] = flat
+    desc = _Descriptor(base=x.view(-1)[2:], rows=out.numel())  # its base is 8 bytes into the input
+    args = (desc, out, out.numel(), factor)
     recorded = getattr(_launch._recorder, "launches", None)
     if recorded is not None:
-        recorded.append(Launch(_Gather(), (1, 1, 1), (desc, out, factor), (), 0))
+        recorded.append(Launch(_Gather(), (1, 1, 1), args, (), 0))
         knobs.runtime.launch_enter_hook(None)
-    _Gather().run(None, None, None, None, None, None, None, None, None, desc, out, factor)
+    _Gather().run(None, None, None, None, None, None, None, None, None, *args)
     return out
 
 
-def test_a_descriptor_is_replayed_at_the_same_offset_of_the_new_tensor(stand_in_launches):
-    op = _Op(_through_descriptor)
+def _interior_pointer(x, bias, factor):
+    out = torch.empty(x.numel() - 2)
+    _launch_scale_n(x.view(-1)[2:], out, factor)  # the kernel reads from 8 bytes into the input on
+    return out
+
+
+def _launch_scale_n(x, out, factor):
+    args = (x, None, out, out.numel(), factor)
+    recorded = getattr(_launch._recorder, "launches", None)
+    if recorded is not None:
+        recorded.append(Launch(_Scale(), (1, 1, 1), args, (64,), 0))
+        knobs.runtime.launch_enter_hook(None)
+    _Scale().run(None, None, None, None, None, None, None, None, None, *args, 64)
+
+
+@pytest.mark.parametrize("body", [_through_descriptor, _interior_pointer])
+def test_addresses_inside_an_input_are_replayed_at_the_same_offset_of_the_new_input(stand_in_launches, body):
+    op = _Op(body)
     for _ in range(3):
         x = torch.randn(10)
-        _ADDRESSES[x.data_ptr() + 8] = x.view(-1)[2:]  # what the replayed descriptor's base points at
         torch.testing.assert_close(op(x), x[2:] * 2.0)
     assert op.calls == 1 and len(op.cache) == 1
 
