@@ -323,8 +323,15 @@ def test_replayed_calls_equal_tritons_own_launches(case, monkeypatch):
     monkeypatch.delenv("NSA_BACKEND_FAST_LAUNCH", raising=False)
     cache.clear()
     first = make()
-    for args in (first, _fresh(first), _fresh(first), _fresh(first)):
-        got = op(**args, impl="triton")
+    side = torch.cuda.Stream()
+    for i, args in enumerate((first, _fresh(first), _fresh(first), _fresh(first))):
+        if i == 3:  # a replay launches on the current stream
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                got = op(**args, impl="triton")
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            got = op(**args, impl="triton")
         monkeypatch.setenv("NSA_BACKEND_FAST_LAUNCH", "0")
         want = op(**args, impl="triton")
         monkeypatch.delenv("NSA_BACKEND_FAST_LAUNCH")
