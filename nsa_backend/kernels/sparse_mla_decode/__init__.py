@@ -36,7 +36,7 @@ from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._gluon import gluon_enabled
 from nsa_backend.kernels._launch import CachedLauncher, cdiv
 from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as ws
-from nsa_backend.kernels.sparse_mla_decode.merge import merge_pdl, merge_splits, split_workspace
+from nsa_backend.kernels.sparse_mla_decode.merge import merge_pdl, merge_splits
 from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import (
     GLUON_DECODE_ARCHS,
     gluon_decode_supported,
@@ -188,7 +188,8 @@ def sparse_mla_decode_triton(
             SPLIT=False, **common,
         )
         return out, lse
-    part_o, part_lse = split_workspace(R, splits, h_q, d_v, dev)
+    part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
+    part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
     _launch_sparse_mla_fwd[(R, head_blocks, splits)](
         q, kv_cache, idx, None, topk_length, part_o, part_lse, None, *args,
         s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),

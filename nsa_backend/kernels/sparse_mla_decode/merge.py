@@ -85,15 +85,6 @@ def _sparse_mla_decode_merge_kernel(
 _launch_merge = CachedLauncher(_sparse_mla_decode_merge_kernel)
 
 
-def split_workspace(R: int, splits: int, h_q: int, d_v: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(part_o [R, splits, h_q, d_v], part_lse [R, splits, h_q])`` fp32, contiguous, in one allocation
-    (one allocation less per eager call; ``part_lse`` starts 16-byte aligned since ``d_v`` is a multiple of 4)."""
-    n_o = R * splits * h_q * d_v
-    buf = torch.empty(n_o + R * splits * h_q, dtype=torch.float32, device=device)
-    return buf[:n_o].view(R, splits, h_q, d_v), buf[n_o:].view(R, splits, h_q)
-
-
 def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, attn_sink: torch.Tensor | None,
                  out: torch.Tensor, lse: torch.Tensor) -> None:
     """Combine the ``num_splits`` partial results of every query row into ``out`` and ``lse``.

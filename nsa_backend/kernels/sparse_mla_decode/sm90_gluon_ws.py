@@ -54,7 +54,7 @@ from nsa_backend.configs.sparse_mla import decode_num_splits, split_keys
 from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
-from nsa_backend.kernels.sparse_mla_decode.merge import merge_splits, split_workspace
+from nsa_backend.kernels.sparse_mla_decode.merge import merge_splits
 
 # Whether the decode launcher takes this kernel where it is routed (``GLUON_WS_DECODE_MIN_HEADS``).
 ENABLED = True
@@ -448,7 +448,8 @@ def sparse_mla_decode_gluon_ws(
             num_warps=NUM_WARPS,
         )
         return out, lse
-    part_o, part_lse = split_workspace(R, splits, h_q, d_v, dev)
+    part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
+    part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
     cached_launcher(kernel())[(head_blocks, R, splits)](
         q, kv_cache, idx, None, topk_length, part_o, part_lse, *args,
         s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
