@@ -15,22 +15,19 @@ type and value; the current device. Nothing reads tensor values on the host.
   grid and arguments), and the number of Triton launches of any kind (a launch Triton made outside a
   ``CachedLauncher`` makes the signature unreplayable).
 
-Every tensor a kernel received, and every TMA descriptor's base, must lie inside exactly one input or
-allocation (the replay passes the address at the same offset of the new tensor); every other kernel
-argument must be a plain scalar; and the call must return allocations.
-Then a later call with the same signature allocates the same buffers and launches the same compiled
-kernels, with its own tensors in place of the first call's, and does nothing else. Signatures that do
-not qualify keep taking the ordinary path. Only the ``triton`` implementation is recorded (natives and
-the reference are other code), only on CUDA tensors of class ``torch.Tensor``, never while
-``torch.compile`` traces, and only while cached launches are on (``NSA_BACKEND_FAST_LAUNCH``, no
-profiler's launch hook). A change of configuration (:func:`nsa_backend._settings.settings_changed`)
-drops every recorded call.
+Every tensor a kernel received must start at the address of exactly one input or allocation, every other
+kernel argument must be a plain scalar (an object such as a TMA descriptor holds the first call's
+addresses), and the call must return allocations. Then a later call with the same signature allocates
+the same buffers and launches the same compiled kernels, with its own tensors in place of the first
+call's, and does nothing else. Signatures that do not qualify keep taking the ordinary path. Only the
+``triton`` implementation is recorded (natives and the reference are other code), only on CUDA tensors
+of class ``torch.Tensor``, never while ``torch.compile`` traces, and only while cached launches are on
+(``NSA_BACKEND_FAST_LAUNCH``, no profiler's launch hook). A change of configuration
+(:func:`nsa_backend._settings.settings_changed`) drops every recorded call.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -101,39 +98,20 @@ class _RecordTensorOps(TorchDispatchMode):
         return out
 
 
-class _At:
-    """A descriptor's base for a replay: the address and element type Triton reads from it."""
-
-    __slots__ = ("_ptr", "dtype")
-
-    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
-        self._ptr, self.dtype = ptr, dtype
-
-    def data_ptr(self) -> int:
-        return self._ptr
-
-
 class _ReplayedLaunch:
-    """One kernel launch of a replay: the arguments of the recorded launch, with the addresses of this
-    call's tensors (its inputs, then its allocations: the slots) where the recorded launch had tensors,
-    and copies of its TMA descriptors with their base moved likewise. Addresses are passed as integers,
-    which Triton's launcher takes as they are (a tensor costs it a method call and a driver query)."""
+    """One kernel launch of a replay: the arguments of the recorded launch, with this call's tensors (its
+    inputs, then its allocations: the slots) where the recorded launch had tensors."""
 
-    __slots__ = ("addresses", "args", "compiled", "descriptors", "device", "grid")
+    __slots__ = ("args", "compiled", "device", "grid", "slots")
 
     def __init__(self, compiled: Any, grid: tuple[int, int, int], device: int, args: list[Any],
-                 addresses: tuple[tuple[int, int, int], ...], descriptors: tuple[tuple[int, int, int], ...]) -> None:
-        self.compiled, self.grid, self.device, self.args = compiled, grid, device, args
-        self.addresses, self.descriptors = addresses, descriptors
+                 slots: tuple[tuple[int, int], ...]) -> None:
+        self.compiled, self.grid, self.device, self.args, self.slots = compiled, grid, device, args, slots
 
     def __call__(self, slots: list[Any]) -> None:
         args = self.args.copy()
-        for position, slot, offset in self.addresses:
-            args[position] = slots[slot].data_ptr() + offset
-        for position, slot, offset in self.descriptors:
-            desc = copy.copy(args[position])
-            desc.base = _At(slots[slot].data_ptr() + offset, desc.base.dtype)
-            args[position] = desc
+        for position, slot in self.slots:
+            args[position] = slots[slot]
         run_compiled(self.compiled, self.grid, self.device, args)
 
 
@@ -156,29 +134,11 @@ class Replay:
         return tuple([slots[i] for i in outputs])
 
 
-def _extent(tensor: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to the end of its last one (0 when it has no element)."""
-    if tensor.numel() == 0:
-        return 0
-    return (sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride())) + 1) * tensor.element_size()
-
-
-def _locate(ptr: int, slots: list[Any]) -> tuple[int, int] | None:
-    """``(slot, byte offset)`` of the one slot tensor whose elements span address ``ptr`` (``None``: none, or
-    several: overlapping inputs make an address ambiguous)."""
-    found = [(i, ptr - value.data_ptr()) for i, value in enumerate(slots)
-             if isinstance(value, torch.Tensor) and 0 <= ptr - value.data_ptr() < _extent(value)]
+def _slot_of(tensor: torch.Tensor, slots: list[Any]) -> int | None:
+    """The one slot whose tensor starts where ``tensor`` does (``None``: none, or several)."""
+    ptr = tensor.data_ptr()
+    found = [i for i, value in enumerate(slots) if isinstance(value, torch.Tensor) and value.data_ptr() == ptr]
     return found[0] if len(found) == 1 else None
-
-
-def _descriptor_base(arg: Any) -> int | None:
-    """The base address of a TMA descriptor (a dataclass whose ``base`` has ``data_ptr``), else ``None``.
-    A descriptor's other fields (shape, strides, box) are functions of the call's signature; its base
-    is all that moves between calls."""
-    base = getattr(arg, "base", None)
-    if base is None or not hasattr(base, "data_ptr") or not dataclasses.is_dataclass(arg):
-        return None
-    return base.data_ptr()
 
 
 def _build(values: tuple[Any, ...], result: Any, allocations: list[torch.Tensor], launches: list[Any]) -> Replay | None:
@@ -187,24 +147,17 @@ def _build(values: tuple[Any, ...], result: Any, allocations: list[torch.Tensor]
     replayed = []
     for launch in launches:
         args = [*launch.args, *launch.tail]
-        addresses, descriptors = [], []
+        tensor_slots = []
         for position, arg in enumerate(args):
-            if arg is None or arg.__class__ in _SCALARS:
-                continue
             if isinstance(arg, torch.Tensor):
-                at = _locate(arg.data_ptr(), slots) if arg.numel() else None
-                if at is None:
+                slot = _slot_of(arg, slots)
+                if slot is None:
                     return None
-                addresses.append((position, *at))
+                tensor_slots.append((position, slot))
                 args[position] = None
-                continue
-            base = _descriptor_base(arg)
-            at = _locate(base, slots) if base is not None else None
-            if at is None:
-                return None  # an object holding the first call's addresses in some other way
-            descriptors.append((position, *at))
-        replayed.append(_ReplayedLaunch(launch.compiled, launch.grid, launch.device, args, tuple(addresses),
-                                        tuple(descriptors)))
+            elif arg is not None and arg.__class__ not in _SCALARS:
+                return None  # e.g. a TMA descriptor: it holds the first call's address
+        replayed.append(_ReplayedLaunch(launch.compiled, launch.grid, launch.device, args, tuple(tensor_slots)))
     outputs = result if isinstance(result, tuple) else (result,)
     indices = []
     for out in outputs:

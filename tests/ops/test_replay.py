@@ -20,7 +20,9 @@ from triton import knobs
 import nsa_backend as nb
 from nsa_backend import _replay, _settings
 from nsa_backend.kernels import _launch
+from nsa_backend.kernels._arch import device_arch
 from nsa_backend.kernels._launch import Launch
+from nsa_backend.kernels.indexer import sm90_gluon_paged as gluon_paged
 
 from ._inputs import FP8, decode_args, paged_logits_args
 
@@ -226,17 +228,8 @@ def _launch_scale_n(x, out, factor):
     _Scale().run(None, None, None, None, None, None, None, None, None, *args, 64)
 
 
-@pytest.mark.parametrize("body", [_through_descriptor, _interior_pointer])
-def test_addresses_inside_an_input_are_replayed_at_the_same_offset_of_the_new_input(stand_in_launches, body):
-    op = _Op(body)
-    for _ in range(3):
-        x = torch.randn(10)
-        torch.testing.assert_close(op(x), x[2:] * 2.0)
-    assert op.calls == 1 and len(op.cache) == 1
-
-
 @pytest.mark.parametrize("body", [_copying, _offset_view, _returns_input, _raw_launch, _filled,
-                                  _descriptor_argument])
+                                  _descriptor_argument, _through_descriptor, _interior_pointer])
 def test_calls_that_cannot_be_replayed_take_the_ordinary_path_every_time(stand_in_launches, body):
     op = _Op(body)
     for _ in range(3):
@@ -246,6 +239,8 @@ def test_calls_that_cannot_be_replayed_take_the_ordinary_path_every_time(stand_i
             want = want + 1.0
         elif body is _filled:
             want = torch.cat([want, torch.full((8,), 7.0)])
+        elif body in (_through_descriptor, _interior_pointer):
+            want = want[2:]
         torch.testing.assert_close(op(x), want)
     assert op.calls == 3 and len(op.cache) == 0
 
@@ -323,15 +318,8 @@ def test_replayed_calls_equal_tritons_own_launches(case, monkeypatch):
     monkeypatch.delenv("NSA_BACKEND_FAST_LAUNCH", raising=False)
     cache.clear()
     first = make()
-    side = torch.cuda.Stream()
-    for i, args in enumerate((first, _fresh(first), _fresh(first), _fresh(first))):
-        if i == 3:  # a replay launches on the current stream
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                got = op(**args, impl="triton")
-            torch.cuda.current_stream().wait_stream(side)
-        else:
-            got = op(**args, impl="triton")
+    for args in (first, _fresh(first), _fresh(first), _fresh(first)):
+        got = op(**args, impl="triton")
         monkeypatch.setenv("NSA_BACKEND_FAST_LAUNCH", "0")
         want = op(**args, impl="triton")
         monkeypatch.delenv("NSA_BACKEND_FAST_LAUNCH")
@@ -339,4 +327,15 @@ def test_replayed_calls_equal_tritons_own_launches(case, monkeypatch):
             got, want = got.sort(-1).values, want.sort(-1).values
         for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
-    assert len(cache) == 1, "the calls were not replayed"
+    if name == "fp8_paged_mqa_logits" and _gluon_paged_route(first):
+        # the sm_90 Gluon kernel takes TMA descriptors, which hold the cache's address: never replayed
+        # (a replay would read the first call's cache)
+        assert len(cache) == 0
+    else:
+        assert len(cache) == 1, "the calls were not replayed"
+
+
+def _gluon_paged_route(args: dict[str, Any]) -> bool:
+    q, kv_cache = args["q"], args["kv_cache"]
+    kv_cache = kv_cache.unsqueeze(2) if kv_cache.dim() == 3 else kv_cache
+    return gluon_paged.supported(q, kv_cache, device_arch(q.device))
