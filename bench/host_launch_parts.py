@@ -56,7 +56,7 @@ def _anchor(dev: torch.device) -> Callable[[], Any] | None:
                                              indices=a["indices"], **kw)
 
 
-def _recorded_values() -> dict[str, tuple[_replay.Replay, tuple[Any, ...]]]:
+def _recorded_values(cases: dict[str, Any]) -> dict[str, tuple[_replay.Replay, tuple[Any, ...]]]:
     """Per op, its replay and the arguments of the eager family's call (seen on the next call)."""
     seen: dict[str, tuple[_replay.Replay, tuple[Any, ...]]] = {}
     own = _replay.Replay.__call__
@@ -66,7 +66,7 @@ def _recorded_values() -> dict[str, tuple[_replay.Replay, tuple[Any, ...]]]:
             return own(self, values)
         _replay.Replay.__call__ = spy
         try:
-            eager._cases(torch.device("cuda"), quick=False)[op][1]("triton")
+            cases[op][1]("triton")
         finally:
             _replay.Replay.__call__ = own
     return seen
@@ -84,7 +84,7 @@ def main() -> int:
                f"torch.empty {host_us(lambda: torch.empty(32, 1, 64, 512, dtype=torch.bfloat16, device=dev)):.1f}"]
         row += [f"{op} {host_us(lambda op=op: cases[op][1]('triton')):.1f}" for op in OPS]
         print(" | ".join(row), flush=True)
-    for op, (replay, values) in _recorded_values().items():
+    for op, (replay, values) in _recorded_values(cases).items():
         slots = [*values, *(torch.empty_strided(s, st, dtype=d, device=dv) for s, st, d, dv in replay.allocations)]
 
         def allocate(r=replay):

@@ -97,16 +97,16 @@ def _no_hook(hook: Any) -> bool:
     return hook is None or (hasattr(hook, "calls") and not hook.calls)
 
 
-def _enabled() -> bool:
+def fast_launch_enabled() -> bool:
+    """Whether launches may skip Triton's own: ``NSA_BACKEND_FAST_LAUNCH`` is not ``0`` and no launch hook
+    (a profiler) is set."""
     # Kernels decorated under TRITON_INTERPRET=1 are no JITFunction and never get here (CachedLauncher._jit).
     return (env_switch(envs.FAST_LAUNCH, True)
             and _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook))
 
 
-def fast_launch_enabled() -> bool:
-    """Whether launches may skip Triton's own: ``NSA_BACKEND_FAST_LAUNCH`` is not ``0`` and no launch hook
-    (a profiler) is set."""
-    return _enabled()
+def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
 
 
 class Launch(NamedTuple):
@@ -212,7 +212,7 @@ class CachedLauncher:
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., Any]:
         if getattr(_recorder, "launches", None) is not None:
             return functools.partial(self._record, grid)
-        if not (self._jit and _enabled()):  # Triton's own launch, nothing in between
+        if not (self._jit and fast_launch_enabled()):  # Triton's own launch, nothing in between
             return self.kernel[grid]
         return functools.partial(self._launch, grid)
 
@@ -221,8 +221,7 @@ class CachedLauncher:
         if not self._jit or compiled is None:
             _recorder.launches.append(None)
             return
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        _recorder.launches.append(Launch(compiled, grid3, args, self._tail(args, kwargs),
+        _recorder.launches.append(Launch(compiled, _grid3(grid), args, self._tail(args, kwargs),
                                          torch.cuda.current_device()))
 
     def _launch(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
@@ -236,8 +235,7 @@ class CachedLauncher:
                 self._plans[key] = (compiled, self._tail(args, kwargs))
             return
         compiled, tail = plan
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        run_compiled(compiled, grid3, key[0], (*args, *tail))
+        run_compiled(compiled, _grid3(grid), key[0], (*args, *tail))
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:
         arg_keys = _arg_keys(args, self._constexpr)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nsa_backend._settings import ConfigError
-from nsa_backend.kernels._launch import _UNCACHEABLE, _arg_key, _arg_keys, _enabled, cdiv
+from nsa_backend.kernels._launch import _UNCACHEABLE, _arg_key, _arg_keys, cdiv, fast_launch_enabled
 from tests.ops._aot import run_aot_script
 
 
@@ -41,13 +41,13 @@ def test_arg_keys_of_a_launch_equal_the_key_of_each_argument():
 
 def test_switch_is_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("NSA_BACKEND_FAST_LAUNCH", raising=False)
-    assert _enabled()
+    assert fast_launch_enabled()
     for value, want in (("0", False), ("off", False), ("1", True), ("", True)):
         monkeypatch.setenv("NSA_BACKEND_FAST_LAUNCH", value)
-        assert _enabled() is want, value
+        assert fast_launch_enabled() is want, value
     monkeypatch.setenv("NSA_BACKEND_FAST_LAUNCH", "fast")
     with pytest.raises(ConfigError, match="NSA_BACKEND_FAST_LAUNCH must be one of 0/1/true/false/on/off/yes/no"):
-        _enabled()
+        fast_launch_enabled()
 
 
 def test_cdiv():

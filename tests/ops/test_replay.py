@@ -56,14 +56,17 @@ def stand_in_launches(monkeypatch):
                                                                           *args))
 
 
-def _launch_scale(x, bias, out, factor, extra_tail=(64,)):
+def _stand_in_launch(kernel: _Scale, args: tuple[Any, ...], tail: tuple[Any, ...] = ()) -> None:
     """What ``CachedLauncher`` does for one launch: record it while recording, and run it."""
     recorded = getattr(_launch._recorder, "launches", None)
-    args = (x, bias, out, x.numel(), factor)
     if recorded is not None:
-        recorded.append(Launch(_Scale(), (1, 1, 1), args, extra_tail, 0))
+        recorded.append(Launch(kernel, (1, 1, 1), args, tail, 0))
         knobs.runtime.launch_enter_hook(None)  # Triton's launch calls the hook
-    _Scale().run(None, None, None, None, None, None, None, None, None, *args, 64)
+    kernel.run(None, None, None, None, None, None, None, None, None, *args, *tail)
+
+
+def _launch_scale(x, bias, out, factor, tail=(64,)):
+    _stand_in_launch(_Scale(), (x, bias, out, x.numel(), factor), tail)
 
 
 class _Op:
@@ -182,7 +185,7 @@ def _filled(x, bias, factor):
 def _descriptor_argument(x, bias, factor):
     out = torch.empty_like(x)
     # an object that holds the first call's address in a way the replay does not know
-    _launch_scale(x, bias, out, factor, extra_tail=(object(),))
+    _launch_scale(x, bias, out, factor, tail=(object(),))
     return out
 
 
@@ -206,28 +209,14 @@ class _Gather(_Scale):
 def _through_descriptor(x, bias, factor):
     out = torch.empty(x.numel() - 2)
     desc = _Descriptor(base=x.view(-1)[2:], rows=out.numel())  # its base is 8 bytes into the input
-    args = (desc, out, out.numel(), factor)
-    recorded = getattr(_launch._recorder, "launches", None)
-    if recorded is not None:
-        recorded.append(Launch(_Gather(), (1, 1, 1), args, (), 0))
-        knobs.runtime.launch_enter_hook(None)
-    _Gather().run(None, None, None, None, None, None, None, None, None, *args)
+    _stand_in_launch(_Gather(), (desc, out, out.numel(), factor))
     return out
 
 
 def _interior_pointer(x, bias, factor):
     out = torch.empty(x.numel() - 2)
-    _launch_scale_n(x.view(-1)[2:], out, factor)  # the kernel reads from 8 bytes into the input on
+    _launch_scale(x.view(-1)[2:], None, out, factor)  # the kernel reads from 8 bytes into the input on
     return out
-
-
-def _launch_scale_n(x, out, factor):
-    args = (x, None, out, out.numel(), factor)
-    recorded = getattr(_launch._recorder, "launches", None)
-    if recorded is not None:
-        recorded.append(Launch(_Scale(), (1, 1, 1), args, (64,), 0))
-        knobs.runtime.launch_enter_hook(None)
-    _Scale().run(None, None, None, None, None, None, None, None, None, *args, 64)
 
 
 @pytest.mark.parametrize("body", [_copying, _offset_view, _returns_input, _raw_launch, _filled,
