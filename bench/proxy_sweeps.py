@@ -18,10 +18,12 @@ the proxied GPU would hold.
 - ``decode``: the sparse MLA decode tile over the fp8_ds_mla cache at B 32 / 128, top-k 2048, h_q 128 / 64 /
   32 / 16 (tile shape, warps, stages; the top-k list split for one or two programs per SM; eager calls).
 - ``prefill``: the sparse MLA prefill tile at s_q 4096, 32K bf16 keys, top-k 2048, h_q 128 / 64 / 32 / 16.
-- ``mhc``: ``tf32_hc_prenorm_gemm`` at N 24, K 28672, M 1024-8192 (CUDA graph): the shipped route against
+- ``mhc``: ``tf32_hc_prenorm_gemm`` at N 24, K 28672, M 1024-16384 (CUDA graph): the shipped route against
   the stacked bf16 parts of ``b`` with tiles whose programs per SM fit the 100 KiB an sm_120 SM holds,
-  with and without programmatic dependent launch; ``of_copy`` is the read of ``a`` over the copy rate
-  measured in the same run, ``err`` the largest difference from the fp32 product over its RMS.
+  with and without programmatic dependent launch, and without it with each step's product waited for
+  (``sync``, ``SYNC_MMA``; otherwise the launch decides by the GPU's MMA); ``of_copy`` is the read of ``a``
+  over the copy rate measured in the same run, ``err`` the largest difference from the fp32 product over
+  its RMS.
 """
 
 from __future__ import annotations
@@ -227,10 +229,13 @@ def _sweep_mhc_shape(M: int, N: int, K: int, copy: float, sms: int) -> list[dict
         if per_sm * cfg.shared_bytes_estimate(block_n, True, cfgs_mhc.PARTS_PRECISION) > SHARED_MEMORY_PER_SM[120]:
             continue
         plan = kernels_mhc.split_plan(M, N, K, 1, cfg.block_m, cfg.block_k, sms, per_sm)
-        for pdl in (False, True):
-            def run(cfg=cfg, plan=plan, pdl=pdl):
-                kernels_mhc._launch(a, b, d, sq, 1, block_n, cfg, plan, cfgs_mhc.PARTS_PRECISION, True, pdl, True)
-            measure(run, f"parts {list(tile)} per_sm {per_sm}" + (" pdl" if pdl else ""), plan=list(plan))
+        # each step's product waited for (SYNC_MMA) or not: the launch decides by the GPU's MMA (None)
+        for pdl, sync in ((False, None), (True, None), (False, True)):
+            def run(cfg=cfg, plan=plan, pdl=pdl, sync=sync):
+                kernels_mhc._launch(a, b, d, sq, 1, block_n, cfg, plan, cfgs_mhc.PARTS_PRECISION, True, pdl, True,
+                                    sync)
+            measure(run, f"parts {list(tile)} per_sm {per_sm}" + (" pdl" if pdl else "") + (" sync" if sync else ""),
+                    plan=list(plan))
     return rows
 
 
@@ -239,7 +244,7 @@ def sweep_mhc() -> list[dict]:
     copy = copy_gbps(dev, 2 * 2**30)
     _, sms = kernels_mhc._arch_and_sms(dev)
     rows = []
-    for M in (1024, 2048, 4096, 8192):
+    for M in (1024, 2048, 4096, 8192, 16384):
         rows += _sweep_mhc_shape(M, 24, 28672, copy, sms)
         torch.cuda.empty_cache()
     return [*rows, {"copy_gbps": copy}]

@@ -49,3 +49,9 @@ def get(name: str, default: str | None = None) -> str | None:
 def triton_interpret() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_mma_v3_disabled() -> bool:
+    """True when Triton's Hopper MMA is off (``DISABLE_MMA_V3``, read by Triton's compiler as on / true / 1):
+    ``tl.dot`` then lowers to mma.sync on sm_90 too."""
+    return os.environ.get("DISABLE_MMA_V3", "").lower() in ("1", "true", "on")

@@ -83,6 +83,23 @@ LATE_DEPENDENTS = True
 # differed from run to run. SYNC_MMA uses the product in the same step, so Triton waits for it
 # before issuing the next loads: correct whatever ptxas does.
 SYNC_MMA = True
+# Compute-capability majors whose tl.dot is mma.sync (sm_80 / 86 / 89, sm_120 / 121; sm_90 too with Triton's
+# Hopper MMA off, DISABLE_MMA_V3). mma.sync reads its operands into registers before the step's buffers are
+# handed back, so nothing is in flight to wait for there, and SYNC_MMA is left out: its "+ 0.0" costs 32 fp32
+# additions per thread per step, 138 against 105 instructions in the sm_120 loop of the shipped tile (ahead of
+# time). Every other arch (wgmma on sm_90, tcgen05 on sm_100 / 103, any later one) keeps SYNC_MMA.
+MMA_SYNC_MAJORS: tuple[int, ...] = (8, 12)
+
+
+def sync_mma(capability: int | None, mma_v3_disabled: bool = False) -> bool:
+    """Whether the stacked-parts GEMM waits for each step's product (``SYNC_MMA``) on a GPU of ``capability``
+    (major * 10 + minor; ``None``: the CPU interpreter, where nothing runs asynchronously), with Triton's
+    Hopper MMA disabled or not."""
+    if capability is None or capability // 10 in MMA_SYNC_MAJORS:
+        return False
+    if capability // 10 == 9 and mma_v3_disabled:
+        return False
+    return SYNC_MMA
 # Stacked parts with K cut into chunks: the GEMM programs add their partial sums into d and sqr_sum with
 # fp32 atomics (zeroed by the split kernel) instead of leaving them to the chunk-sum kernel, unless
 # torch.use_deterministic_algorithms(True) is in force (then the fixed-order sum kernel runs, bit-identical

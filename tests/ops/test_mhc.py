@@ -142,6 +142,24 @@ def test_b_parts_route():
     assert not cfgs.uses_b_parts(32, 4096, None)  # CPU interpreter: the route of the public op stays the fp32 b
 
 
+def test_product_waited_for_only_where_it_is_asynchronous(monkeypatch):
+    """``SYNC_MMA`` where tl.dot is asynchronous (wgmma on sm_90, tcgen05 on sm_100 / 103); not on the mma.sync
+    archs, nor on sm_90 with Triton's Hopper MMA off (the proxy), nor in the interpreter; the ahead-of-time
+    variants of each arch and the launches follow the same rule."""
+    from nsa_backend import envs
+    from nsa_backend.kernels import mhc as kern
+
+    assert [cfgs.sync_mma(c) for c in (80, 86, 89, 120, 121, None)] == [False] * 6
+    assert [cfgs.sync_mma(c) for c in (90, 100, 103)] == [True] * 3
+    assert not cfgs.sync_mma(90, mma_v3_disabled=True) and cfgs.sync_mma(100, mma_v3_disabled=True)
+    for arch in TARGET_ARCHS:
+        parts = [v for v in kern.shipped_variants(arch) if v.kind == "gemm" and v.constexprs["B_PARTS"]]
+        assert all(v.constexprs["SYNC_MMA"] == cfgs.sync_mma(arch) for v in parts), arch
+    for value, disabled in (("1", True), ("on", True), ("TRUE", True), ("0", False), ("", False)):
+        monkeypatch.setenv("DISABLE_MMA_V3", value)
+        assert envs.triton_mma_v3_disabled() is disabled
+
+
 def test_split_b_is_exact():
     """hi + mid + lo reproduces b exactly (24 significant bits) for normal fp32 values."""
     from nsa_backend.kernels import mhc as kern

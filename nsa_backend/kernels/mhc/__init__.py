@@ -14,7 +14,7 @@ import triton
 
 from nsa_backend import envs
 from nsa_backend.configs import mhc as cfgs
-from nsa_backend.kernels._arch import device_arch, device_sms
+from nsa_backend.kernels._arch import device_arch, device_capability, device_sms
 from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, compile_for_arch
 from nsa_backend.kernels.mhc.portable import (
     _mhc_prenorm_gemm_kernel,
@@ -128,6 +128,7 @@ def _launch(
     b_parts: bool = False,
     pdl: bool = False,
     atomic_sums: bool = False,
+    sync_mma: bool | None = None,
 ) -> None:
     """Launch the kernels for ``d [S, M, N]`` and ``sqr_sum [S, M]`` (``S = num_splits``).
 
@@ -137,7 +138,9 @@ def _launch(
     split kernel zeroes first (one launch less; the order of the additions, and so the last bits,
     then vary from call to call). With ``pdl`` (stacked parts, sm_90+) the GEMM and reduction kernels
     are launched with programmatic dependent launch: each starts while the kernel before it runs and
-    waits for it in-kernel, which hides the launch gaps between them.
+    waits for it in-kernel, which hides the launch gaps between them. ``sync_mma`` (stacked parts): wait
+    for each step's product in its step; ``None`` decides by what ``tl.dot`` lowers to on this GPU
+    (:func:`nsa_backend.configs.mhc.sync_mma`).
     """
     M, K = a.shape
     N = b.shape[0]
@@ -151,12 +154,14 @@ def _launch(
     else:
         ws = torch.empty((slots, M * N + M), dtype=torch.float32, device=a.device)
         out_d, out_sq, stride_dt, stride_st = ws, ws[:, M * N:], M * N + M, M * N + M
+    if sync_mma is None:
+        sync_mma = cfgs.sync_mma(device_capability(a.device), envs.triton_mma_v3_disabled())
     b_in = _split_b(b, precision, pdl, (d, sqr_sum) if atomic_sums else None) if b_parts else b
     grid = (triton.cdiv(M, config.block_m), slots)
     _mhc_prenorm_gemm_kernel[grid](
         a, b_in, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, PRECISION=precision, B_PARTS=b_parts,
-        SQ_2D=b_parts, USE_PDL=pdl, LATE_DEPENDENTS=cfgs.LATE_DEPENDENTS, ATOMIC_SUMS=atomic_sums,
+        SQ_2D=b_parts, USE_PDL=pdl, LATE_DEPENDENTS=cfgs.LATE_DEPENDENTS, ATOMIC_SUMS=atomic_sums, SYNC_MMA=sync_mma,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     if num_chunks > 1 and not atomic_sums:
@@ -273,16 +278,17 @@ def even_k_variants(block_k: int) -> tuple[bool, ...]:
 
 
 def _gemm_variant(block_n: int, cfg: cfgs.GemmConfig, precision: str, b_parts: bool, pdl: bool = False,
-                  atomic_sums: bool = False, even_k: bool = True) -> tuple[dict[str, str], dict[str, Any]]:
+                  atomic_sums: bool = False, even_k: bool = True,
+                  sync_mma: bool = cfgs.SYNC_MMA) -> tuple[dict[str, str], dict[str, Any]]:
     """Signature and constexprs of the GEMM kernel as :func:`_launch` runs it (``even_k``: one of
-    :func:`even_k_variants`)."""
+    :func:`even_k_variants`; ``sync_mma``: :func:`nsa_backend.configs.mhc.sync_mma` of the arch)."""
     b_parts = b_parts and precision in ("bf16x3", "bf16x2")
     signature = dict(_GEMM_SIGNATURE, b_ptr="*bf16" if b_parts else "*fp32")
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": block_n, "BLOCK_K": cfg.block_k, "PRECISION": precision,
                   "B_PARTS": b_parts, "SQ_2D": b_parts, "USE_PDL": pdl and b_parts,
                   "LATE_DEPENDENTS": cfgs.LATE_DEPENDENTS,
                   "EVEN_K": even_k, "PARTS_TILE": _parts_tile(precision),
-                  "BF16_DOT_AS_FP32": False, "SYNC_MMA": cfgs.SYNC_MMA, "ATOMIC_SUMS": atomic_sums and b_parts}
+                  "BF16_DOT_AS_FP32": False, "SYNC_MMA": sync_mma, "ATOMIC_SUMS": atomic_sums and b_parts}
     return signature, constexprs
 
 
@@ -320,7 +326,7 @@ def shipped_variants(arch: int) -> list[Variant]:
             for atomic_sums in sums:
                 for even_k in even_k_variants(cfg.block_k):
                     signature, constexprs = _gemm_variant(block_n, cfg, precision, b_parts, pdl, atomic_sums,
-                                                          even_k)
+                                                          even_k, cfgs.sync_mma(arch))
                     label = (f"BLOCK_N={block_n} BLOCK_M={cfg.block_m} BLOCK_K={cfg.block_k} {precision}"
                              f"{' parts' if b_parts else ''}{' atomic' if atomic_sums else ''}"
                              f"{'' if even_k else ' masked-K'} warps={cfg.num_warps} stages={cfg.num_stages}")

@@ -51,7 +51,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nsa_backend import envs
-from nsa_backend.configs import mhc as cfgs
 
 
 def _parts_tile(precision: str) -> int:
@@ -69,7 +68,6 @@ def _num_parts(precision: str) -> int:
     "EVEN_K": lambda args: (args["K"] % args["BLOCK_K"] == 0 and args["SPLIT_K"] % args["BLOCK_K"] == 0
                             and args["CHUNK_K"] % args["BLOCK_K"] == 0),
     "PARTS_TILE": lambda args: _parts_tile(args["PRECISION"]),
-    "SYNC_MMA": lambda args: cfgs.SYNC_MMA,
 })
 # N stays unspecialised: with N a multiple of 16 (e.g. 32) the stacked-parts variant compiled under
 # triton 3.6 for sm_90 gave wrong sums on the H200 (before SYNC_MMA: the in-flight product's a tile
