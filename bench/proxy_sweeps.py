@@ -23,12 +23,13 @@ the proxied GPU would hold.
   with and without programmatic dependent launch, and without it with each step's product waited for
   (``sync``, ``SYNC_MMA``; otherwise the launch decides by the GPU's MMA); ``of_copy`` is the read of ``a``
   over the copy rate measured in the same run, ``err`` the largest difference from the fp32 product over
-  its RMS.
+  its RMS. ``--mhc-routed-only`` keeps the tiles the arch routes to, each variant timed twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import pathlib
@@ -201,7 +202,7 @@ MHC_PARTS_TILES = (((64, 64, 4, 4), 1), ((64, 64, 4, 5), 1), ((128, 64, 8, 3), 1
                    ((128, 32, 8, 3), 2), ((128, 32, 4, 4), 2), ((256, 32, 8, 3), 1))
 
 
-def _sweep_mhc_shape(M: int, N: int, K: int, copy: float, sms: int) -> list[dict]:
+def _sweep_mhc_shape(M: int, N: int, K: int, copy: float, sms: int, tiles=MHC_PARTS_TILES) -> list[dict]:
     dev = torch.device("cuda")
     a = torch.randn(M, K, device=dev).to(torch.bfloat16)
     b = torch.randn(N, K, device=dev) / K**0.5
@@ -223,7 +224,7 @@ def _sweep_mhc_shape(M: int, N: int, K: int, copy: float, sms: int) -> list[dict
             rows.append({"M": M, "cfg": name, "ms": None, "err": f"{type(exc).__name__}: {str(exc)[:80]}"})
 
     measure(lambda: kernels_mhc.tf32_hc_prenorm_gemm_triton(a, b, d, sq), "shipped")
-    for tile, per_sm in MHC_PARTS_TILES:
+    for tile, per_sm in tiles:
         cfg = cfgs_mhc.GemmConfig(*tile)
         # the programs per SM of a candidate must fit one sm_120 SM together
         if per_sm * cfg.shared_bytes_estimate(block_n, True, cfgs_mhc.PARTS_PRECISION) > SHARED_MEMORY_PER_SM[120]:
@@ -239,13 +240,16 @@ def _sweep_mhc_shape(M: int, N: int, K: int, copy: float, sms: int) -> list[dict
     return rows
 
 
-def sweep_mhc() -> list[dict]:
+def sweep_mhc(routed_only: bool = False) -> list[dict]:
     dev = torch.device("cuda")
     copy = copy_gbps(dev, 2 * 2**30)
-    _, sms = kernels_mhc._arch_and_sms(dev)
+    arch, sms = kernels_mhc._arch_and_sms(dev)
+    tiles = MHC_PARTS_TILES
+    if routed_only:  # the tiles the arch routes to, twice (the second pass shows the spread)
+        tiles = 2 * tuple((dataclasses.astuple(cfg), per_sm) for _, cfg, per_sm in cfgs_mhc.PARTS_ARCH_ROUTES[arch])
     rows = []
     for M in (1024, 2048, 4096, 8192, 16384):
-        rows += _sweep_mhc_shape(M, 24, 28672, copy, sms)
+        rows += _sweep_mhc_shape(M, 24, 28672, copy, sms, tiles)
         torch.cuda.empty_cache()
     return [*rows, {"copy_gbps": copy}]
 
@@ -254,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", choices=SWEEPS, help="sweeps to run")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="folder for sweep_<name>.json")
+    parser.add_argument("--mhc-routed-only", action="store_true",
+                        help="mhc: only the tiles the arch routes to (each launch variant twice)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the sweeps time GPU kernels: no CUDA device is visible")
@@ -263,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shared memory per SM limited to {forced}'s: carveout {proxy.limit_shared_memory_per_sm(forced)} %",
               flush=True)
     runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode, "prefill": sweep_prefill,
-               "ragged": sweep_ragged, "mhc": sweep_mhc}
+               "ragged": sweep_ragged, "mhc": lambda: sweep_mhc(args.mhc_routed_only)}
     for name in args.sweeps:
         rows = runners[name]()
         (args.out / f"sweep_{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
