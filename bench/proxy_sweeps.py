@@ -10,7 +10,8 @@ the proxied GPU would hold.
     DISABLE_MMA_V3=1 NSA_BACKEND_FORCE_ARCH=sm120 NSA_BACKEND_GLUON=0 \\
         python bench/proxy_sweeps.py paged v4 decode ragged --out bench/results/h100-proxy-sm120/sweeps
 
-- ``paged``: ``fp8_paged_mqa_logits`` at B 128, context 32K, H 64 / 32, next_n 1 / 2 (CUDA graph).
+- ``paged``: ``fp8_paged_mqa_logits`` at B 128, context 32K, H 64 / 32, next_n 1 / 2 (CUDA graph); the
+  shipped tile also with smaller chunks (``resident`` 8 / 12 / 16) and with unmasked key loads.
 - ``v4``: the DeepSeek-V4 decode tile (BLOCK_H, BLOCK_K, warps) at B 128, h_q 64 / 128, context 32K,
   top-k 512 plus the 128-token window (CUDA graph).
 - ``ragged``: ``fp8_mqa_logits`` at 4096 queries over 16K causal keys, H 64 / 32 (eager calls); candidates
@@ -89,6 +90,9 @@ def sweep_paged() -> list[dict]:
                       LogitsConfig(64, cols, 4, 4), LogitsConfig(64, cols, 4, 2), LogitsConfig(128, cols, 8, 2),
                       LogitsConfig(128, cols, 4, 2), LogitsConfig(64, cols, 4, 3, page_ahead=True, k_mask=False),
                       LogitsConfig(64, cols, 8, 3), LogitsConfig(32, cols, 4, 4)]
+        # the shipped tile cut into smaller chunks (more programs than an SM holds at once), and unmasked
+        candidates += [dataclasses.replace(base, resident=r) for r in (8, 12, 16) if r > base.resident]
+        candidates += [dataclasses.replace(base, k_mask=False)]
         for cfg in candidates:
             def run(cfg=cfg, args=args):
                 return kernels_indexer.fp8_paged_mqa_logits_triton(*args, config=cfg)
