@@ -100,6 +100,8 @@ def sync_mma(capability: int | None, mma_v3_disabled: bool = False) -> bool:
     if capability // 10 == 9 and mma_v3_disabled:
         return False
     return SYNC_MMA
+
+
 # Stacked parts with K cut into chunks: the GEMM programs add their partial sums into d and sqr_sum with
 # fp32 atomics (zeroed by the split kernel) instead of leaving them to the chunk-sum kernel, unless
 # torch.use_deterministic_algorithms(True) is in force (then the fixed-order sum kernel runs, bit-identical
