@@ -44,9 +44,8 @@ def host_us(fn: Callable[[], object], calls: int = 300) -> float:
 
 
 def _anchor(dev: torch.device) -> Callable[[], Any] | None:
-    try:
-        import flash_mla as fm
-    except Exception:
+    fm = bench_sparse_mla._flash_mla(host_only=True)
+    if fm is None:
         return None
     a = bench_sparse_mla.decode_inputs(32, 1, 64, eager.TOPK, dev)
     sched, _ = fm.get_mla_metadata()

@@ -48,6 +48,10 @@ MAX_SIGNATURES = 256
 # Implementations whose calls are recorded: only launches through CachedLauncher replay.
 REPLAYED_IMPLS = frozenset({"triton"})
 
+# Argument types keyed by value, and kernel arguments replayed as recorded (a tensor is taken per call;
+# anything else is refused).
+_SCALARS = frozenset({int, float, bool, str})
+
 _aten = torch.ops.aten
 _ALLOCATIONS = frozenset({_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                           _aten.new_empty.default, _aten.new_empty_strided.default})
@@ -57,8 +61,6 @@ _VIEWS = frozenset({_aten.view, _aten._unsafe_view, _aten.unsqueeze, _aten.squee
                     _aten.alias, _aten.detach, _aten.expand, _aten.permute, _aten.transpose, _aten.t,
                     _aten.select, _aten.slice})
 _UNREPLAYABLE = object()
-# Kernel arguments replayed as recorded; a tensor is taken per call; anything else is refused.
-_SCALARS = frozenset({int, float, bool, str})
 
 
 def signature(values: tuple[Any, ...], cuda: bool = True) -> tuple[Any, ...] | None:
@@ -74,7 +76,7 @@ def signature(values: tuple[Any, ...], cuda: bool = True) -> tuple[Any, ...] | N
         cls = value.__class__
         if cls is torch.Tensor:
             append((value.shape, value.stride(), value.dtype, value.device, value.data_ptr() & 15))
-        elif value is None or cls is int or cls is float or cls is str or cls is bool:
+        elif value is None or cls in _SCALARS:
             append((cls, value))  # the class keeps 1, 1.0 and True apart
         else:
             return None

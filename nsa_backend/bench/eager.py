@@ -118,11 +118,8 @@ def _small_decode(device: torch.device, h_q: int) -> dict[str, Any]:
 def _flash_mla_anchor(device: torch.device, calls: int) -> dict[str, float]:
     """Host ms of FlashMLA's sparse decode and metadata calls at the 64-head decode shape; {} without FlashMLA."""
     # Host time only: the anchor is timed under the proxy too (its CPU work does not depend on the chip).
-    try:
-        import flash_mla as fm
-    except Exception:
-        return {}
-    if device.type != "cuda":
+    fm = bench_sparse_mla._flash_mla(host_only=True)
+    if fm is None or device.type != "cuda":
         return {}
     a = bench_sparse_mla.decode_inputs(32, 1, 64, TOPK, device)
     sched, _ = fm.get_mla_metadata()

@@ -60,8 +60,11 @@ TOKENS_PER_REQUEST = 8192
 DECODE_SCALE_FORMAT = "pow2"
 
 
-def _flash_mla() -> Any | None:
-    if proxy.active():  # the proxied arch has no FlashMLA; its sm_90 kernels would time the wrong chip
+def _flash_mla(host_only: bool = False) -> Any | None:
+    """The ``flash_mla`` module, or ``None`` where it does not import. Under the proxy only with ``host_only``
+    (host-time measurements, which do not depend on the chip)."""
+    # the proxied arch has no FlashMLA; its sm_90 kernels would time the wrong chip
+    if proxy.active() and not host_only:
         return None
     try:
         import flash_mla
