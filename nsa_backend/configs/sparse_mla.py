@@ -76,6 +76,10 @@ class AttnConfig:
     idx_ahead: bool = False
     # Register cap per thread (more resident programs per SM); None: the compiler's choice.
     maxnreg: int | None = None
+    # fp8_ds_mla cache: dequantise each latent group once per tile into shared memory that both of its MMAs
+    # read (on sm_120 the 32-head, 32-key tile then needs 70 KiB instead of 44, the 16-head, 16-key tile 45
+    # instead of 40). Off: the compiler converts each group for each MMA, twice per tile.
+    share_keys: bool = False
 
     def launch_options(self) -> dict:
         """Keyword arguments of the kernel launch besides the kernel's own parameters."""
@@ -155,13 +159,15 @@ DECODE_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
 }
 
 
-# The fp8_ds_mla decode where it differs from DECODE_CONFIGS. On the 100 KiB-per-SM parts one pipeline
-# stage keeps the 32-head tile at 45 KiB, two programs per SM, against 82 KiB and one program with two
-# stages (the raw fp8 rows are converted in registers, so a second buffer of them hides little): B 32 /
-# 128, top-k 2048, 1.21-1.22x / 1.26-1.28x faster at h_q 64 / 128 and 1.13x / 1.17x at h_q 32, although ptxas
-# spills 396 B instead of 204 B (H100, proxy with sm_120's shared memory per SM; bench/proxy_sweeps.py decode).
+# The fp8_ds_mla decode where it differs from DECODE_CONFIGS. On the 100 KiB-per-SM parts the 16-head tile
+# dequantises each latent group once (``share_keys``): 45 KiB, two programs per SM as before, no spill, 685
+# instructions per pass of its loop on sm_120 against 902; it ran 1.17x faster at h_q 16 (B 128, top-k 2048:
+# 0.227 against 0.267 ms). The 32-head tile would need 70 KiB that way, one program per SM, and ran 0.87-0.94x
+# as fast at h_q 32-128, so it keeps one pipeline stage and converts per MMA: 45 KiB, two programs per SM,
+# 1.13-1.28x faster than two stages although ptxas spills 396 B (H100, proxy with sm_120's shared memory per
+# SM; bench/results/h100-proxy-sm120/fp8-decode-shared-keys, bench/proxy_sweeps.py decode).
 DECODE_FP8_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
-    "small": {32: (AttnConfig(32, 32, 4, 1),)},
+    "small": {16: (AttnConfig(16, 16, 4, 2, share_keys=True),), 32: (AttnConfig(32, 32, 4, 1),)},
 }
 
 

@@ -305,6 +305,16 @@ DECODE_CPU = [
         s_q=2, h_q=5, topk=57, num_blocks=4, frac_invalid=0.2, sink=True, topk_len=True, pad_pages=True,
     ),
     _decode_param(
+        "fp8-shared-keys-mtp2-split3-sink-topklen",
+        dict(num_splits=3, config=("share_keys",)),
+        s_q=2, h_q=5, topk=57, num_blocks=4, frac_invalid=0.2, sink=True, topk_len=True, pad_pages=True,
+    ),
+    _decode_param(
+        "fp8-integer-shared-keys-split2",
+        dict(num_splits=2, native_fp8=False, config=("share_keys",)),
+        B=1, h_q=17, topk=33, page=8, num_blocks=5, frac_invalid=0.1, sink=True,
+    ),
+    _decode_param(
         "fp8-integer-split2-sink-topklen",
         dict(num_splits=2, native_fp8=False),
         s_q=2, h_q=6, topk=45, num_blocks=4, frac_invalid=0.25, sink=True, topk_len=True, pad_pages=True,
@@ -329,7 +339,7 @@ def test_decode_matches_reference(kw, launch):
 
     launch = dict(launch)
     flags = launch.pop("config", ())
-    cfg = AttnConfig(16, 16, 4, 1, idx_ahead="idx_ahead" in flags)
+    cfg = AttnConfig(16, 16, 4, 1, idx_ahead="idx_ahead" in flags, share_keys="share_keys" in flags)
     a = decode_case(seed=2, **kw)
     run_decode_case(a, str(kw), config=cfg, **launch)
 

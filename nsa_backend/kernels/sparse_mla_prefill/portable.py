@@ -13,14 +13,18 @@ key indices), a block of ``BLOCK_H`` heads and one split of the key list:
   ``BLOCK_H`` heads: ``S = q_nope K_nope^T + q_rope K_rope^T`` (two MMAs), online softmax in base 2,
   ``acc += P V`` with ``V = K_nope`` (the first 512 dims);
 - ``KV_FP8`` reads "fp8_ds_mla" tokens (512 e4m3 bytes, four fp32 group scales, 64 bf16 rope
-  values) and dequantises them in registers to bf16, exactly as the reference does (no
-  dequantised copy). ``FP8_NATIVE`` selects Triton's e4m3 type (sm_89+); otherwise the bytes are
-  decoded with integer operations (e4m3 bits shifted into fp16 bits, scaled by 2^8);
+  values) and dequantises them to bf16, exactly as the reference does (no dequantised copy in global
+  memory). With ``SHARE_KEYS`` each latent group is converted once per tile into shared memory that
+  both of its MMAs read (more shared memory: 70 KiB instead of 44 for 32 heads and 32 keys on sm_120);
+  without it the compiler converts the group into each MMA's operand layout, twice per tile.
+  ``FP8_NATIVE`` selects Triton's e4m3 type (sm_89+); otherwise the bytes are decoded with integer
+  operations (e4m3 bits shifted into fp16 bits, scaled by 2^8);
 - ``IDX_AHEAD`` reads the indices of a tile one iteration ahead. With the index load in the same
   iteration the compiler keeps one key buffer and waits for every gather right before its MMAs;
   without it, the gather has no in-iteration dependency and is pipelined over ``num_stages``
   buffers (for keys feeding the MMAs directly);
-- each latent group is converted right before its ``q . k`` MMA (one converted group live at a time).
+- each latent group is converted right before its ``q . k`` MMA (one converted group live at a time);
+  with ``SHARE_KEYS`` groups 1-3 are also read there, after the rope product.
 
 Outputs: ``SPLIT=False`` writes the final bf16 ``out``, the natural-log ``lse`` (``+inf`` for a row
 without a valid key) and, when ``HAS_MAX``, ``max_logits``; ``attn_sink`` is applied here.
@@ -117,9 +121,22 @@ def _sparse_mla_gather(kv_ptr, b_idx, n_slots, page_size, stride_page, stride_ro
 
 
 @triton.jit
-def _sparse_mla_dequant(b_raw, b_sc, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr):
+def _sparse_mla_shared(x):
+    """``x`` unchanged, through an instruction the compiler may not duplicate, so that the dequantised keys are
+    computed once and stored to shared memory for both of their MMAs. Without it the conversion is moved into each
+    MMA's operand layout (done twice per tile) and the copy for ``P V``, made before the first MMA, is held in
+    registers across the softmax: the 32-head fp8 tile spills 396 B per thread on sm_120 that way, none with it
+    (but it then needs 70 KiB of shared memory instead of 44)."""
+    if _INTERPRET:
+        return x
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=2)
+
+
+@triton.jit
+def _sparse_mla_dequant(b_raw, b_sc, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SHARE_KEYS: tl.constexpr):
     """One raw latent group [BN, 128] -> bf16 keys: unchanged for the bf16 cache, ``bf16(e4m3 * scale)``
-    for the FP8 cache, exactly as the reference dequantises."""
+    for the FP8 cache, exactly as the reference dequantises (``SHARE_KEYS``: once, for both MMAs)."""
     if KV_FP8:
         if FP8_NATIVE:
             b_kf = b_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -128,7 +145,10 @@ def _sparse_mla_dequant(b_raw, b_sc, KV_FP8: tl.constexpr, FP8_NATIVE: tl.conste
             b_u = b_raw.to(tl.uint16)
             b_kf = (((b_u & 0x80) << 8) | ((b_u & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
             b_sc = b_sc * 256.0
-        return _sparse_mla_bf16(b_kf * b_sc[:, None])
+        b_k = _sparse_mla_bf16(b_kf * b_sc[:, None])
+        if SHARE_KEYS:
+            b_k = _sparse_mla_shared(b_k)
+        return b_k
     else:
         return b_raw
 
@@ -162,7 +182,7 @@ def _sparse_mla_fwd_kernel(
     D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr,
-    IDX_AHEAD: tl.constexpr,
+    IDX_AHEAD: tl.constexpr, SHARE_KEYS: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
 ):
     # The 512 latent dims are handled as four groups of 128 (the fp8_ds_mla scale groups): four
@@ -217,24 +237,40 @@ def _sparse_mla_fwd_kernel(
             b_idx = tl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
         (m_n, p_row, r0, s0, s1, s2, s3, b_kr) = _sparse_mla_gather(
             kv_ptr, b_idx, n_slots, page_size, stride_page, stride_row, BLOCK_N, D_ROPE, KV_FP8)
-        r1 = _sparse_mla_group(p_row, m_n, 1)
-        r2 = _sparse_mla_group(p_row, m_n, 2)
-        r3 = _sparse_mla_group(p_row, m_n, 3)
-        # Each group is converted right before its QK MMA, so that one converted group at a time is
-        # live next to the accumulators (all four converted first, ptxas spilled 336 B per thread
-        # in the 32-head fp8 decode on sm_120; 204 B this way).
         # [BN, 128] keys, [BH, BN] scores
-        b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE)
-        b_s = _sparse_mla_mma(b_q0, tl.trans(b_k0))
-        b_k1 = _sparse_mla_dequant(r1, s1, KV_FP8, FP8_NATIVE)
-        b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
-        b_k2 = _sparse_mla_dequant(r2, s2, KV_FP8, FP8_NATIVE)
-        b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
-        b_k3 = _sparse_mla_dequant(r3, s3, KV_FP8, FP8_NATIVE)
-        b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
-        if D_ROPE > 0:
-            # [BN, 64]
-            b_s += _sparse_mla_mma(b_qr, tl.trans(b_kr))
+        if SHARE_KEYS:
+            # the rope product first, then each latent group read and converted right before its MMA:
+            # one raw and one converted group at a time are live beside the accumulators
+            if D_ROPE > 0:
+                b_s = _sparse_mla_mma(b_qr, tl.trans(b_kr))
+            else:
+                b_s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE, True)
+            b_s += _sparse_mla_mma(b_q0, tl.trans(b_k0))
+            b_k1 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 1), s1, KV_FP8, FP8_NATIVE, True)
+            b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
+            b_k2 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 2), s2, KV_FP8, FP8_NATIVE, True)
+            b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
+            b_k3 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 3), s3, KV_FP8, FP8_NATIVE, True)
+            b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
+        else:
+            # The whole key is loaded first (loading groups 1-3 later was 9-38% slower, docs/sparse_mla.md)
+            # and each group converted right before its MMA (all four converted first, ptxas spilled
+            # 336 B per thread in the 32-head fp8 decode on sm_120; 204 B this way).
+            r1 = _sparse_mla_group(p_row, m_n, 1)
+            r2 = _sparse_mla_group(p_row, m_n, 2)
+            r3 = _sparse_mla_group(p_row, m_n, 3)
+            b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE, False)
+            b_s = _sparse_mla_mma(b_q0, tl.trans(b_k0))
+            b_k1 = _sparse_mla_dequant(r1, s1, KV_FP8, FP8_NATIVE, False)
+            b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
+            b_k2 = _sparse_mla_dequant(r2, s2, KV_FP8, FP8_NATIVE, False)
+            b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
+            b_k3 = _sparse_mla_dequant(r3, s3, KV_FP8, FP8_NATIVE, False)
+            b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
+            if D_ROPE > 0:
+                # [BN, 64]
+                b_s += _sparse_mla_mma(b_qr, tl.trans(b_kr))
         b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
         b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
