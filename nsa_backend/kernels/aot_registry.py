@@ -280,11 +280,11 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
                   "stride_lr stride_ls stride_lh").split():
             sig[n] = "i32"
         cx = dict(D_ROPE=64, BLOCK_H=c.block_h, BLOCK_N=c.block_n, KV_FP8=fp8, FP8_NATIVE=native, SPLIT=split,
-                  IDX_AHEAD=c.idx_ahead, SHARE_KEYS=c.share_keys, HAS_SINK=True, HAS_TOPK_LEN=True,
+                  IDX_AHEAD=c.idx_ahead, SHARE_KEYS=c.share_keys and fp8, HAS_SINK=True, HAS_TOPK_LEN=True,
                   HAS_MAX=not split)
         label = (f"{'fp8' if fp8 else 'bf16'} BLOCK_H={c.block_h} BLOCK_N={c.block_n} warps={c.num_warps} "
                  f"stages={c.num_stages} idx_ahead={c.idx_ahead}" + (f" maxnreg={c.maxnreg}" if c.maxnreg else "")
-                 + (" share_keys" if c.share_keys and fp8 else ""))
+                 + (" share_keys" if cx["SHARE_KEYS"] else ""))
         jobs.append(AotJob("sparse_mla", kind, label, arch, sparse_mla_prefill._sparse_mla_fwd_kernel,
                            _constexpr(sig, cx), cx, c.num_warps, c.num_stages, _div16(sig),
                            {"maxnreg": c.maxnreg} if c.maxnreg else {}))
