@@ -162,7 +162,7 @@ DECODE_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
 # The fp8_ds_mla decode where it differs from DECODE_CONFIGS. On the 100 KiB-per-SM parts the 16-head tile
 # dequantises each latent group once (``share_keys``): 45 KiB, two programs per SM as before, no spill, 685
 # instructions per pass of its loop on sm_120 against 902; it ran 1.17x faster at h_q 16 (B 128, top-k 2048:
-# 0.227 against 0.267 ms). The 32-head tile would need 70 KiB that way, one program per SM, and ran 0.87-0.94x
+# 0.227 against 0.266 ms). The 32-head tile would need 70 KiB that way, one program per SM, and ran 0.87-0.94x
 # as fast at h_q 32-128, so it keeps one pipeline stage and converts per MMA: 45 KiB, two programs per SM,
 # 1.13-1.28x faster than two stages although ptxas spills 396 B (H100, proxy with sm_120's shared memory per
 # SM; bench/results/h100-proxy-sm120/fp8-decode-shared-keys, bench/proxy_sweeps.py decode).
