@@ -14,9 +14,10 @@ key indices), a block of ``BLOCK_H`` heads and one split of the key list:
   ``acc += P V`` with ``V = K_nope`` (the first 512 dims);
 - ``KV_FP8`` reads "fp8_ds_mla" tokens (512 e4m3 bytes, four fp32 group scales, 64 bf16 rope
   values) and dequantises them to bf16, exactly as the reference does (no dequantised copy in global
-  memory). With ``SHARE_KEYS`` (fp8 cache only) each latent group is converted once per tile into shared memory that
-  both of its MMAs read (more shared memory: 70 KiB instead of 44 for 32 heads and 32 keys on sm_120);
-  without it the compiler converts the group into each MMA's operand layout, twice per tile.
+  memory). With ``SHARE_KEYS`` (fp8 cache only) each latent group is converted once per tile into
+  shared memory that both of its MMAs read (more shared memory: 70 KiB instead of 44 for 32 heads and
+  32 keys on sm_120); without it the compiler converts the group into each MMA's operand layout, twice
+  per tile.
   ``FP8_NATIVE`` selects Triton's e4m3 type (sm_89+); otherwise the bytes are decoded with integer
   operations (e4m3 bits shifted into fp16 bits, scaled by 2^8);
 - ``IDX_AHEAD`` reads the indices of a tile one iteration ahead. With the index load in the same
