@@ -80,6 +80,14 @@ class AttnConfig:
     # read (on sm_120 the 32-head, 32-key tile then needs 70 KiB instead of 44, the 16-head, 16-key tile 45
     # instead of 40). Off: the compiler converts each group for each MMA, twice per tile.
     share_keys: bool = False
+    # fp8_ds_mla cache: read each latent group's bytes again after the softmax (from the cache) and convert them
+    # for ``P V`` there, instead of holding a converted copy in registers across the softmax (on sm_120 the 32-head,
+    # 32-key tile then spills 4 B instead of 396, in 43 KiB). Not together with ``share_keys``.
+    reread_keys: bool = False
+
+    def __post_init__(self) -> None:
+        if self.share_keys and self.reread_keys:
+            raise ValueError("share_keys / reread_keys: a configuration takes at most one of them")
 
     def launch_options(self) -> dict:
         """Keyword arguments of the kernel launch besides the kernel's own parameters."""
@@ -163,11 +171,15 @@ DECODE_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
 # dequantises each latent group once (``share_keys``): 45 KiB, two programs per SM as before, no spill, 685
 # instructions per pass of its loop on sm_120 against 902; it ran 1.17x faster at h_q 16 (B 128, top-k 2048:
 # 0.227 against 0.266 ms). The 32-head tile would need 70 KiB that way, one program per SM, and ran 0.87-0.94x
-# as fast at h_q 32-128, so it keeps one pipeline stage and converts per MMA: 45 KiB, two programs per SM,
-# 1.13-1.28x faster than two stages although ptxas spills 396 B (H100, proxy with sm_120's shared memory per
-# SM; bench/results/h100-proxy-sm120/fp8-decode-shared-keys, bench/proxy_sweeps.py decode).
+# as fast at h_q 32-128 (H100, proxy with sm_120's shared memory per SM; bench/results/h100-proxy-sm120/
+# fp8-decode-shared-keys). It keeps one pipeline stage (1.13-1.28x faster than two, bench/proxy_sweeps.py
+# decode) and reads its groups again for P V (``reread_keys``): 43 KiB, two programs per SM, 4 B of spill
+# against 396; 1.09-1.17x faster at h_q 32 / 64 / 128 with sm_120's and sm_89's configurations and 1.02-1.03x
+# with sm_86's (H200, proxy; 1.059 against 1.184 ms at h_q 128, B 128; bench/results/h200-proxy-sm120/
+# reread-and-head-slices).
 DECODE_FP8_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
-    "small": {16: (AttnConfig(16, 16, 4, 2, share_keys=True),), 32: (AttnConfig(32, 32, 4, 1),)},
+    "small": {16: (AttnConfig(16, 16, 4, 2, share_keys=True),),
+              32: (AttnConfig(32, 32, 4, 1, reread_keys=True),)},
 }
 
 

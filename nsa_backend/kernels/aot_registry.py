@@ -132,7 +132,8 @@ def indexer_jobs(arch: int, largest_only: bool = False) -> list[AotJob]:
                    stride_out="i32", w_scale="fp32", NEXT_N="i32", CHUNK="i32")
         cx = dict(NP=max(1, cfg.cols // hp), D=d, HP=hp, PAGE=64, BLOCK_N=cfg.block_n, CTX_2D=True,
                   FP8_NATIVE=native, SCALE_ALIGNED=True, SC_AHEAD=cfg.scale_ahead, ROW_LOOP=cfg.row_loop,
-                  PG_AHEAD=cfg.scale_ahead and cfg.page_ahead and cfg.block_n == 64, K_MASK=cfg.k_mask)
+                  PG_AHEAD=cfg.scale_ahead and cfg.page_ahead and cfg.block_n == 64, K_MASK=cfg.k_mask,
+                  HEAD_SLICES=cfg.head_slices)
         jobs.append(AotJob("indexer", "paged", f"HP={hp} next_n={_next_n} D={d} {cfg}", arch,
                            indexer._indexer_paged_logits_kernel, _constexpr(sig, cx), cx, cfg.num_warps,
                            cfg.num_stages, _INDEXER_PAGED_ALIGNED, _reg_cap(cfg.max_regs)))
@@ -280,11 +281,11 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
                   "stride_lr stride_ls stride_lh").split():
             sig[n] = "i32"
         cx = dict(D_ROPE=64, BLOCK_H=c.block_h, BLOCK_N=c.block_n, KV_FP8=fp8, FP8_NATIVE=native, SPLIT=split,
-                  IDX_AHEAD=c.idx_ahead, SHARE_KEYS=c.share_keys and fp8, HAS_SINK=True, HAS_TOPK_LEN=True,
-                  HAS_MAX=not split)
+                  IDX_AHEAD=c.idx_ahead, SHARE_KEYS=c.share_keys and fp8, REREAD_KEYS=c.reread_keys and fp8,
+                  HAS_SINK=True, HAS_TOPK_LEN=True, HAS_MAX=not split)
         label = (f"{'fp8' if fp8 else 'bf16'} BLOCK_H={c.block_h} BLOCK_N={c.block_n} warps={c.num_warps} "
                  f"stages={c.num_stages} idx_ahead={c.idx_ahead}" + (f" maxnreg={c.maxnreg}" if c.maxnreg else "")
-                 + (" share_keys" if cx["SHARE_KEYS"] else ""))
+                 + (" share_keys" if cx["SHARE_KEYS"] else "") + (" reread_keys" if cx["REREAD_KEYS"] else ""))
         jobs.append(AotJob("sparse_mla", kind, label, arch, sparse_mla_prefill._sparse_mla_fwd_kernel,
                            _constexpr(sig, cx), cx, c.num_warps, c.num_stages, _div16(sig),
                            {"maxnreg": c.maxnreg} if c.maxnreg else {}))

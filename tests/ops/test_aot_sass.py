@@ -93,17 +93,21 @@ def test_sparse_mla_decode_loop_on_sm120():
     assert fp8["shared_stores"] > bf16["shared_stores"]
 
 
-_SHARED_KEYS = textwrap.dedent("""
-    import dataclasses, json
+# The shipped fp8 decode tile whose configuration sets the flag named by argv[1] (a constexpr of the kernel),
+# compiled as shipped ("on") and with the flag off ("off"): its hot loop's instruction mix, spill and shared memory.
+_KEYS_FLAG = textwrap.dedent("""
+    import dataclasses, json, sys
     from nsa_backend.kernels.aot_registry import sparse_mla_jobs
     from nsa_backend.kernels.aot_sass import disassemble, instruction_mix
-    job = next(j for j in sparse_mla_jobs(120) if j.kind == "decode" and j.constexprs["KV_FP8"]
-               and j.constexprs["SHARE_KEYS"])
-    plain = dataclasses.replace(job, constexprs={**job.constexprs, "SHARE_KEYS": False})
+    flag = sys.argv[1]
+    job = next(j for j in sparse_mla_jobs(120) if j.kind == "decode" and j.constexprs["KV_FP8"] and j.constexprs[flag])
+    off = dataclasses.replace(job, constexprs={**job.constexprs, flag: False})
     out = {}
-    for name, j in (("shared", job), ("plain", plain)):
+    for name, j in (("on", job), ("off", off)):
         mix = instruction_mix(disassemble(j.cubin()))
-        out[name] = dict(mix.counts, loop=mix.loop, block_h=j.constexprs["BLOCK_H"])
+        res = j.compile()
+        out[name] = dict(mix.counts, loop=mix.loop, block_h=j.constexprs["BLOCK_H"], spill=res.spill_stores,
+                         shared=res.shared_bytes)
     print(json.dumps(out))
 """)
 
@@ -113,14 +117,65 @@ def test_shared_keys_tile_stores_its_keys_once_on_sm120():
     """The fp8 decode tile that shares its keys (the 16-head tile of the 100 KiB parts) converts each latent group
     once into shared memory for both MMAs: fewer shared loads, barriers and instructions per loop pass than the
     same tile converting per MMA (685 against 902 with Triton 3.9), and no spill in its loop."""
-    got = run_aot_script(_SHARED_KEYS, timeout=600)
-    shared, plain = got["shared"], got["plain"]
+    got = run_aot_script(_KEYS_FLAG, "SHARE_KEYS", timeout=600)
+    shared, plain = got["on"], got["off"]
     assert shared["block_h"] == 16 and shared["loop"] and plain["loop"]
     assert shared["mma"] == plain["mma"]
     assert shared["shared_loads"] < plain["shared_loads"] and shared["barriers"] < plain["barriers"], (shared, plain)
-    total = {k: sum(v for c, v in d.items() if c not in ("loop", "block_h")) for k, d in got.items()}
-    assert total["shared"] <= 0.85 * total["plain"], total
+    counted = ("loop", "block_h", "spill", "shared")
+    total = {k: sum(v for c, v in d.items() if c not in counted) for k, d in got.items()}
+    assert total["on"] <= 0.85 * total["off"], total
     assert shared["local"] == 0
+
+
+@pytest.mark.slow
+def test_reread_keys_tile_does_not_spill_on_sm120():
+    """The 32-head fp8 decode tile of the 100 KiB parts reads each latent group again for ``P V`` instead of
+    holding a converted copy across the softmax: its loop keeps at most one spilled word (one local access per
+    pass with Triton 3.9, against 139 when the copy is held), the same MMAs, and its shared memory still fits
+    two programs per 100 KiB SM."""
+    got = run_aot_script(_KEYS_FLAG, "REREAD_KEYS", timeout=600)
+    reread, held = got["on"], got["off"]
+    assert reread["block_h"] == 32 and reread["loop"] and held["loop"]
+    assert reread["mma"] == held["mma"]
+    assert reread["local"] <= 2 and held["local"] >= 50, (reread, held)
+    assert reread["global_loads"] > held["global_loads"]
+    assert reread["spill"] < held["spill"]
+    assert 2 * reread["shared"] <= 100 * 1024
+
+
+_HEAD_SLICES = textwrap.dedent(r"""
+    import dataclasses, json, re
+    from nsa_backend.kernels.aot import compile_source
+    from nsa_backend.kernels.aot_registry import indexer_jobs
+    from nsa_backend.kernels.aot_sass import disassemble, instruction_mix
+    job = next(j for j in indexer_jobs(120) if j.kind == "paged" and j.constexprs["HP"] == 64
+               and j.constexprs["NP"] == 1 and j.constexprs["D"] == 128)
+    whole = dataclasses.replace(job, constexprs={**job.constexprs, "HEAD_SLICES": 1})
+    out = {}
+    for name, j in (("sliced", job), ("whole", whole)):
+        compiled, _, _ = compile_source(j.kernel, j.signature, j.constexprs, j.arch, j.num_warps, j.num_stages,
+                                        aligned=j.aligned, options=j.options)
+        warps = re.search(r"nvidia_mma<\{versionMajor = 2.*?warpsPerCTA = \[(\d+), (\d+)\]",
+                          compiled.asm["ttgir"])
+        mix = instruction_mix(disassemble(compiled.asm["cubin"]))
+        out[name] = dict(mix.counts, loop=mix.loop, slices=j.constexprs["HEAD_SLICES"],
+                         warps=[int(warps.group(1)), int(warps.group(2))])
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_head_slices_keep_each_head_sum_in_one_warp_on_sm120():
+    """The 64-head paged logits tile of sm_120 multiplies two 32-head slices: Triton then spreads the four warps
+    along the keys only ([4, 1]; one 64 x 64 product is spread 2 x 2, and each key's head sum crosses warps), and
+    the loop passes fewer barriers and shared stores than the same tile in one product."""
+    got = run_aot_script(_HEAD_SLICES, timeout=600)
+    sliced, whole = got["sliced"], got["whole"]
+    assert sliced["slices"] == 2 and sliced["loop"] and whole["loop"]
+    assert sliced["warps"] == [4, 1] and whole["warps"] == [2, 2], (sliced["warps"], whole["warps"])
+    assert sliced["mma"] == whole["mma"]
+    assert sliced["barriers"] < whole["barriers"] and sliced["shared_stores"] < whole["shared_stores"], (sliced, whole)
 
 
 @pytest.mark.parametrize("module", ["aot_sass", "aot_report"])

@@ -193,23 +193,43 @@ def test_fp8_paged_mqa_logits_variants(variant, next_n, ctx_2d, pad):
         _assert_logits(out, want, what=f"{variant} chunk {chunk}")
 
 
-TUNED_PAGED = [pytest.param(90, key, id=f"sm90-hp{key[0]}-rows{key[1]}") for key in ci.PAGED_WGMMA_TUNED] + [
-    pytest.param(120, key, id=f"sm120-hp{key[0]}-rows{key[1]}") for key in ci.PAGED_SM120_TUNED]
+TUNED_PAGED = [
+    *(pytest.param(90, key, ci.PAGED_WGMMA_TUNED[key], id=f"sm90-hp{key[0]}-rows{key[1]}")
+      for key in ci.PAGED_WGMMA_TUNED),
+    *(pytest.param(120, key, ci.PAGED_SM120_TUNED[key], id=f"sm120-hp{key[0]}-rows{key[1]}")
+      for key in ci.PAGED_SM120_TUNED),
+    # the entries of every 100 KiB-per-SM part
+    *(pytest.param(arch, key, ci.PAGED_SMALL_TUNED[key], id=f"sm{arch}-small-hp{key[0]}-rows{key[1]}")
+      for arch in (86, 89, 121) for key in ci.PAGED_SMALL_TUNED),
+]
 
 
-@pytest.mark.parametrize("arch,key", TUNED_PAGED)
-def test_fp8_paged_mqa_logits_tuned_entries(arch, key):
+@pytest.mark.parametrize("arch,key,entry", TUNED_PAGED)
+def test_fp8_paged_mqa_logits_tuned_entries(arch, key, entry):
     # each per-arch tuned entry is what the table returns for its head bucket and rows, and gives the
     # reference's logits (ragged contexts, an empty request, several chunks per request)
     hp, rows = key
     heads = hp - 3
     cfg = ci.paged_config(heads, rows, 128, arch)
-    assert cfg == (ci.PAGED_WGMMA_TUNED if arch == 90 else ci.PAGED_SM120_TUNED)[key]
+    assert cfg == entry
     q, cache, w, ctx, table, max_len = _paged_inputs(3, rows, heads, 128, 64, [300, 0, 130], False, DEVICE)
     want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len)
     for chunk in (None, 128):
         out = ki.fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, None, max_len, config=cfg, chunk=chunk)
         _assert_logits(out, want, what=f"sm_{arch} {key} chunk {chunk}")
+
+
+def test_head_slices_config_errors():
+    """A paged configuration with head slices other than 1 or 2, with slices but no row loop, or with slices
+    narrower than one 16-head product is refused before any launch, naming the field."""
+    with pytest.raises(ValueError, match="head_slices: expected 1 or 2, got 4"):
+        ci.LogitsConfig(64, 64, 4, 3, row_loop=True, head_slices=4)
+    with pytest.raises(ValueError, match="head_slices: 2 needs row_loop=True"):
+        ci.LogitsConfig(64, 64, 4, 3, head_slices=2)
+    q, cache, w, ctx, table, max_len = _paged_inputs(2, 1, 5, 64, 64, [70, 10], False, DEVICE)
+    cfg = ci.LogitsConfig(64, 16, 4, 3, row_loop=True, head_slices=2)
+    with pytest.raises(ValueError, match=r"config.head_slices: 2 slices need at least 32 padded heads .* got 16"):
+        ki.fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, None, max_len, config=cfg)
 
 
 def test_paged_chunk_waves():

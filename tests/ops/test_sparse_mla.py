@@ -304,16 +304,22 @@ DECODE_CPU = [
         dict(num_splits=3, config=("idx_ahead",)),
         s_q=2, h_q=5, topk=57, num_blocks=4, frac_invalid=0.2, sink=True, topk_len=True, pad_pages=True,
     ),
-    _decode_param(
-        "fp8-shared-keys-mtp2-split3-sink-topklen",
-        dict(num_splits=3, config=("share_keys",)),
-        s_q=2, h_q=5, topk=57, num_blocks=4, frac_invalid=0.2, sink=True, topk_len=True, pad_pages=True,
-    ),
-    _decode_param(
-        "fp8-integer-shared-keys-split2",
-        dict(num_splits=2, native_fp8=False, config=("share_keys",)),
-        B=1, h_q=17, topk=33, page=8, num_blocks=5, frac_invalid=0.1, sink=True,
-    ),
+    # the two ways of reading the fp8 keys for P V (share_keys: converted once into shared memory; reread_keys:
+    # the bytes read and converted again), native and integer e4m3
+    *(param
+      for flag in ("share_keys", "reread_keys")
+      for param in (
+          _decode_param(
+              f"fp8-{flag.replace('_', '-')}-mtp2-split3-sink-topklen",
+              dict(num_splits=3, config=(flag,)),
+              s_q=2, h_q=5, topk=57, num_blocks=4, frac_invalid=0.2, sink=True, topk_len=True, pad_pages=True,
+          ),
+          _decode_param(
+              f"fp8-integer-{flag.replace('_', '-')}-split2",
+              dict(num_splits=2, native_fp8=False, config=(flag,)),
+              B=1, h_q=17, topk=33, page=8, num_blocks=5, frac_invalid=0.1, sink=True,
+          ),
+      )),
     _decode_param(
         "fp8-integer-split2-sink-topklen",
         dict(num_splits=2, native_fp8=False),
@@ -339,9 +345,17 @@ def test_decode_matches_reference(kw, launch):
 
     launch = dict(launch)
     flags = launch.pop("config", ())
-    cfg = AttnConfig(16, 16, 4, 1, idx_ahead="idx_ahead" in flags, share_keys="share_keys" in flags)
+    cfg = AttnConfig(16, 16, 4, 1, idx_ahead="idx_ahead" in flags, share_keys="share_keys" in flags,
+                     reread_keys="reread_keys" in flags)
     a = decode_case(seed=2, **kw)
     run_decode_case(a, str(kw), config=cfg, **launch)
+
+
+def test_share_and_reread_keys_exclude_each_other():
+    from nsa_backend.configs.sparse_mla import AttnConfig
+
+    with pytest.raises(ValueError, match="share_keys / reread_keys: a configuration takes at most one of them"):
+        AttnConfig(32, 32, 4, 1, share_keys=True, reread_keys=True)
 
 
 def test_merge_block_d_rule():

@@ -215,6 +215,9 @@ def fp8_paged_mqa_logits_triton(
     stride_page = kv_cache.stride(0)
     aligned = stride_page % 4 == 0 and kv_cache.data_ptr() % 4 == 0
     hp = cfgs.padded_heads(H)
+    if hp // cfg.head_slices < 16:
+        raise ValueError(f"config.head_slices: {cfg.head_slices} slices need at least {16 * cfg.head_slices} "
+                         f"padded heads (16 per product), got {hp} for {H} heads")
     rows = max(1, cfg.cols // hp)
     grid = (B * cdiv(next_n, rows), cdiv(max_context_len, chunk))
     _launch_indexer_paged_logits[grid](
@@ -224,7 +227,7 @@ def fp8_paged_mqa_logits_triton(
         1.0 if native else DECODE_SCALE, next_n, chunk,
         NP=rows, D=D, HP=hp, PAGE=page, BLOCK_N=block_n,
         CTX_2D=context_lens.dim() == 2, FP8_NATIVE=native, SCALE_ALIGNED=aligned, SC_AHEAD=cfg.scale_ahead,
-        ROW_LOOP=cfg.row_loop,
+        ROW_LOOP=cfg.row_loop, HEAD_SLICES=cfg.head_slices,
         PG_AHEAD=cfg.scale_ahead and cfg.page_ahead and block_n == page, K_MASK=cfg.k_mask,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg),
     )

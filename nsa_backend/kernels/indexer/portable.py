@@ -29,6 +29,10 @@ tile ahead in registers. Options selected by the launch configuration:
 - ``ROW_LOOP``: the ``NP`` rows take turns on each key tile (one ``[BLOCK_N, HP]`` MMA per row),
   so one row's accumulator is live instead of ``[BLOCK_N, NP * HP]`` (fewer registers, more
   programs per SM); the key tile is still read once.
+- ``HEAD_SLICES=2`` (with ``ROW_LOOP``, ``HP >= 32``): each row's heads are multiplied as two products of
+  ``HP / 2`` heads. Triton lays the warps of a 64 x 64 product out 2 x 2, so each key's head sum crosses
+  warps through shared memory; a 64 x 32 product puts the four warps along the keys only, and the sum stays
+  in each warp (sm_120, 64 heads, one row: 308 instructions and 3 barriers per tile against 329 and 5).
 - ``PG_AHEAD`` (one-page tiles): the block-table entry of the scales is read one tile before the
   scales, so that load's latency is off the loop's path.
 - ``K_MASK=False``: key loads are not masked; every address stays inside the cache (invalid pages
@@ -203,10 +207,11 @@ def _indexer_paged_page_scales(kv_ptr, i_pg, t0, hi, num_pages, stride_page, D: 
 
 
 @triton.jit
-def _indexer_paged_query(q_ptr, w_ptr, i_b, j, NEXT_N, H, w_scale, D: tl.constexpr, HP: tl.constexpr,
+def _indexer_paged_query(q_ptr, w_ptr, i_b, j, NEXT_N, H, w_scale, h0, D: tl.constexpr, HP: tl.constexpr,
                          FP8_NATIVE: tl.constexpr):
-    # query row j of request i_b: [HP, D] tile and [HP] weights (zero for padded heads and rows)
-    o_h = tl.arange(0, HP)
+    # heads [h0, h0 + HP) of query row j of request i_b: [HP, D] tile and [HP] weights (zero for padded
+    # heads and rows)
+    o_h = h0 + tl.arange(0, HP)
     o_d = tl.arange(0, D)
     m_h = (o_h < H) & ((o_h * 0 + j) < NEXT_N)
     o_qh = (i_b * NEXT_N + j).to(tl.int64) * H + o_h
@@ -228,10 +233,39 @@ def _indexer_paged_visible(ctx_ptr, i_b, j, NEXT_N, max_ctx, CTX_2D: tl.constexp
 
 
 @triton.jit
-def _indexer_paged_row(b_k, b_q, b_w, b_sc, m_pg, o_t, vis, p_row, j, NEXT_N, c1):
-    # logits of query row j against one key tile: [BLOCK_N] stored at p_row + o_t
-    b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, HP]
-    b_l = tl.sum(tl.maximum(b_s, 0.0) * b_w[None, :], axis=1) * b_sc  # [BLOCK_N]
+def _indexer_paged_head_sum(b_k, b_q, b_w):
+    # sum over the heads of b_q [HS, D] of relu(k . q) * w: [BLOCK_N]
+    b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, HS]
+    return tl.sum(tl.maximum(b_s, 0.0) * b_w[None, :], axis=1)
+
+
+@triton.jit
+def _indexer_paged_query_slices(q_ptr, w_ptr, i_b, j, NEXT_N, H, w_scale, D: tl.constexpr, HP: tl.constexpr,
+                                HEAD_SLICES: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    # query row j as HEAD_SLICES (1 or 2) tiles of HP // HEAD_SLICES heads: (q_a, w_a, q_b, w_b); with one
+    # slice q_b / w_b repeat q_a / w_a and are not used
+    b_qa, b_wa = _indexer_paged_query(q_ptr, w_ptr, i_b, j, NEXT_N, H, w_scale, 0, D, HP // HEAD_SLICES,
+                                      FP8_NATIVE)
+    if HEAD_SLICES == 2:
+        b_qb, b_wb = _indexer_paged_query(q_ptr, w_ptr, i_b, j, NEXT_N, H, w_scale, HP // 2, D, HP // 2,
+                                          FP8_NATIVE)
+    else:
+        b_qb = b_qa
+        b_wb = b_wa
+    return b_qa, b_wa, b_qb, b_wb
+
+
+@triton.jit
+def _indexer_paged_row(b_k, b_qa, b_wa, b_qb, b_wb, b_sc, m_pg, o_t, vis, p_row, j, NEXT_N, c1,
+                       HEAD_SLICES: tl.constexpr):
+    # logits of query row j against one key tile: [BLOCK_N] stored at p_row + o_t. Two head slices make
+    # two [BLOCK_N, HP / 2] products, which Triton spreads over the warps along the keys only: each
+    # key's head sum then stays inside one warp (one [BLOCK_N, HP] product of 64 x 64 puts the warps
+    # 2 x 2 and sums across warps through shared memory)
+    b_l = _indexer_paged_head_sum(b_k, b_qa, b_wa)
+    if HEAD_SLICES == 2:
+        b_l += _indexer_paged_head_sum(b_k, b_qb, b_wb)
+    b_l = b_l * b_sc  # [BLOCK_N]
     b_l = tl.where((o_t >= vis) | (~m_pg), float("-inf"), b_l)
     tl.store(p_row + o_t, b_l, mask=(o_t < c1) & ((o_t * 0 + j) < NEXT_N))
 
@@ -266,6 +300,7 @@ def _indexer_paged_logits_kernel(
     ROW_LOOP: tl.constexpr,
     PG_AHEAD: tl.constexpr,
     K_MASK: tl.constexpr,
+    HEAD_SLICES: tl.constexpr,
 ):
     # program (i_bg, i_c): rows [j0, j0 + NP) of request i_b, keys [i_c * CHUNK, (i_c + 1) * CHUNK)
     i_bg = tl.program_id(0)
@@ -290,21 +325,22 @@ def _indexer_paged_logits_kernel(
         # one [HP, D] query tile per row (NP <= 4): the rows take turns on each key tile, so only one
         # row's [BLOCK_N, HP] accumulator is live at a time
         j0 = (i_bg % n_groups) * NP
-        b_q0, b_w0 = _indexer_paged_query(q_ptr, w_ptr, i_b, j0, NEXT_N, H, w_scale, D, HP, FP8_NATIVE)
+        b_q0, b_w0, b_q0b, b_w0b = _indexer_paged_query_slices(
+            q_ptr, w_ptr, i_b, j0, NEXT_N, H, w_scale, D, HP, HEAD_SLICES, FP8_NATIVE)
         vis0 = _indexer_paged_visible(ctx_ptr, i_b, j0, NEXT_N, max_ctx, CTX_2D)
         p_row0 = out_ptr + (i_b * NEXT_N + j0).to(tl.int64) * stride_out
         if NP >= 2:
-            b_q1, b_w1 = _indexer_paged_query(q_ptr, w_ptr, i_b, j0 + 1, NEXT_N, H, w_scale, D, HP,
-                                              FP8_NATIVE)
+            b_q1, b_w1, b_q1b, b_w1b = _indexer_paged_query_slices(
+                q_ptr, w_ptr, i_b, j0 + 1, NEXT_N, H, w_scale, D, HP, HEAD_SLICES, FP8_NATIVE)
             vis1 = _indexer_paged_visible(ctx_ptr, i_b, j0 + 1, NEXT_N, max_ctx, CTX_2D)
             p_row1 = p_row0 + stride_out
         if NP >= 4:
-            b_q2, b_w2 = _indexer_paged_query(q_ptr, w_ptr, i_b, j0 + 2, NEXT_N, H, w_scale, D, HP,
-                                              FP8_NATIVE)
+            b_q2, b_w2, b_q2b, b_w2b = _indexer_paged_query_slices(
+                q_ptr, w_ptr, i_b, j0 + 2, NEXT_N, H, w_scale, D, HP, HEAD_SLICES, FP8_NATIVE)
             vis2 = _indexer_paged_visible(ctx_ptr, i_b, j0 + 2, NEXT_N, max_ctx, CTX_2D)
             p_row2 = p_row1 + stride_out
-            b_q3, b_w3 = _indexer_paged_query(q_ptr, w_ptr, i_b, j0 + 3, NEXT_N, H, w_scale, D, HP,
-                                              FP8_NATIVE)
+            b_q3, b_w3, b_q3b, b_w3b = _indexer_paged_query_slices(
+                q_ptr, w_ptr, i_b, j0 + 3, NEXT_N, H, w_scale, D, HP, HEAD_SLICES, FP8_NATIVE)
             vis3 = _indexer_paged_visible(ctx_ptr, i_b, j0 + 3, NEXT_N, max_ctx, CTX_2D)
             p_row3 = p_row2 + stride_out
     else:
@@ -364,12 +400,16 @@ def _indexer_paged_logits_kernel(
             b_sc, m_pg = _indexer_paged_scales(kv_ptr, p_bt, t0, hi, num_pages, max_blocks, stride_page,
                                                D, PAGE, BLOCK_N, SCALE_ALIGNED)
         if ROW_LOOP:
-            _indexer_paged_row(b_k, b_q0, b_w0, b_sc, m_pg, o_t, vis0, p_row0, j0, NEXT_N, c1)
+            _indexer_paged_row(b_k, b_q0, b_w0, b_q0b, b_w0b, b_sc, m_pg, o_t, vis0, p_row0, j0,
+                               NEXT_N, c1, HEAD_SLICES)
             if NP >= 2:
-                _indexer_paged_row(b_k, b_q1, b_w1, b_sc, m_pg, o_t, vis1, p_row1, j0 + 1, NEXT_N, c1)
+                _indexer_paged_row(b_k, b_q1, b_w1, b_q1b, b_w1b, b_sc, m_pg, o_t, vis1, p_row1, j0 + 1,
+                                   NEXT_N, c1, HEAD_SLICES)
             if NP >= 4:
-                _indexer_paged_row(b_k, b_q2, b_w2, b_sc, m_pg, o_t, vis2, p_row2, j0 + 2, NEXT_N, c1)
-                _indexer_paged_row(b_k, b_q3, b_w3, b_sc, m_pg, o_t, vis3, p_row3, j0 + 3, NEXT_N, c1)
+                _indexer_paged_row(b_k, b_q2, b_w2, b_q2b, b_w2b, b_sc, m_pg, o_t, vis2, p_row2, j0 + 2,
+                                   NEXT_N, c1, HEAD_SLICES)
+                _indexer_paged_row(b_k, b_q3, b_w3, b_q3b, b_w3b, b_sc, m_pg, o_t, vis3, p_row3, j0 + 3,
+                                   NEXT_N, c1, HEAD_SLICES)
         else:
             b_s = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_N, NP*HP]
             b_s = tl.maximum(b_s, 0.0) * b_w[None, :]

@@ -175,7 +175,7 @@ def sparse_mla_decode_triton(
     common = dict(
         D_ROPE=d_qk - d_v, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         KV_FP8=fp8, FP8_NATIVE=fp8_native(arch) if native_fp8 is None else native_fp8,
-        IDX_AHEAD=cfg.idx_ahead, SHARE_KEYS=cfg.share_keys and fp8,
+        IDX_AHEAD=cfg.idx_ahead, SHARE_KEYS=cfg.share_keys and fp8, REREAD_KEYS=cfg.reread_keys and fp8,
         **cfg.launch_options(),
     )
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, page, per, s_q,

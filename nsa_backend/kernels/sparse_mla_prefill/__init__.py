@@ -98,7 +98,7 @@ def flash_mla_sparse_fwd_triton(
         D_ROPE=d_qk - d_v,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         KV_FP8=False, FP8_NATIVE=fp8_native(arch), SPLIT=False,
-        IDX_AHEAD=cfg.idx_ahead, SHARE_KEYS=False,
+        IDX_AHEAD=cfg.idx_ahead, SHARE_KEYS=False, REREAD_KEYS=False,
         **cfg.launch_options(),
     )
     return out, max_logits, lse

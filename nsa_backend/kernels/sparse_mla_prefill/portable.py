@@ -18,6 +18,9 @@ key indices), a block of ``BLOCK_H`` heads and one split of the key list:
   shared memory that both of its MMAs read (more shared memory: 70 KiB instead of 44 for 32 heads and
   32 keys on sm_120); without it the compiler converts the group into each MMA's operand layout, twice
   per tile.
+  ``REREAD_KEYS`` (fp8 cache) instead reads each group's bytes a second time after the softmax, from the
+  cache, and converts them again for ``P V``: no converted copy is held in registers across the softmax (the
+  32-head tile on sm_120: 43 KiB, 4 B of spill against 396).
   ``FP8_NATIVE`` selects Triton's e4m3 type (sm_89+); otherwise the bytes are decoded with integer
   operations (e4m3 bits shifted into fp16 bits, scaled by 2^8);
 - ``IDX_AHEAD`` reads the indices of a tile one iteration ahead. With the index load in the same
@@ -84,6 +87,16 @@ def _sparse_mla_group(p_row, m_n, G: tl.constexpr):
     """Latent group ``G`` [BN, 128] of the key rows ``p_row`` as stored (zeros where ``m_n`` is off)."""
     o_c = tl.arange(0, 128)
     return tl.load(p_row[:, None] + (G * 128 + o_c[None, :]), mask=m_n[:, None], other=0)
+
+
+@triton.jit
+def _sparse_mla_group_again(p_row, m_n, G: tl.constexpr):
+    """:func:`_sparse_mla_group` read a second time in a tile, for the ``P V`` product (``REREAD_KEYS``). The
+    bytes were just read, so this read hits the cache; its eviction hint (the last use of the line) also keeps
+    the compiler from merging it with the first read."""
+    o_c = tl.arange(0, 128)
+    return tl.load(p_row[:, None] + (G * 128 + o_c[None, :]), mask=m_n[:, None], other=0,
+                   eviction_policy="evict_first")
 
 
 @triton.jit
@@ -155,6 +168,18 @@ def _sparse_mla_dequant(b_raw, b_sc, KV_FP8: tl.constexpr, FP8_NATIVE: tl.conste
 
 
 @triton.jit
+def _sparse_mla_values(b_k, p_row, m_n, b_sc, G: tl.constexpr, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr,
+                       REREAD_KEYS: tl.constexpr):
+    """Latent group ``G`` for ``P V``: ``b_k`` as converted for ``q K^T``, or with ``REREAD_KEYS`` the group's bytes
+    read (:func:`_sparse_mla_group_again`) and converted again, so that no converted copy is held across the
+    softmax."""
+    if REREAD_KEYS:
+        return _sparse_mla_dequant(_sparse_mla_group_again(p_row, m_n, G), b_sc, KV_FP8, FP8_NATIVE, False)
+    else:
+        return b_k
+
+
+@triton.jit
 def _sparse_mla_store_group(out_ptr, o_oh, m_h, b_acc, b_inv, G: tl.constexpr, TO_BF16: tl.constexpr):
     """Write the normalised accumulator of latent group ``G`` ([BH, 128])."""
     o_c = tl.arange(0, 128)
@@ -183,7 +208,7 @@ def _sparse_mla_fwd_kernel(
     D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr,
-    IDX_AHEAD: tl.constexpr, SHARE_KEYS: tl.constexpr,
+    IDX_AHEAD: tl.constexpr, SHARE_KEYS: tl.constexpr, REREAD_KEYS: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
 ):
     # The 512 latent dims are handled as four groups of 128 (the fp8_ds_mla scale groups): four
@@ -239,20 +264,21 @@ def _sparse_mla_fwd_kernel(
         (m_n, p_row, r0, s0, s1, s2, s3, b_kr) = _sparse_mla_gather(
             kv_ptr, b_idx, n_slots, page_size, stride_page, stride_row, BLOCK_N, D_ROPE, KV_FP8)
         # [BN, 128] keys, [BH, BN] scores
-        if SHARE_KEYS:
+        if SHARE_KEYS or REREAD_KEYS:
             # the rope product first, then each latent group read and converted right before its MMA:
-            # one raw and one converted group at a time are live beside the accumulators
+            # one raw and one converted group at a time are live beside the accumulators (with
+            # REREAD_KEYS the group is read again for P V below)
             if D_ROPE > 0:
                 b_s = _sparse_mla_mma(b_qr, tl.trans(b_kr))
             else:
                 b_s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-            b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE, True)
+            b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE, SHARE_KEYS)
             b_s += _sparse_mla_mma(b_q0, tl.trans(b_k0))
-            b_k1 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 1), s1, KV_FP8, FP8_NATIVE, True)
+            b_k1 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 1), s1, KV_FP8, FP8_NATIVE, SHARE_KEYS)
             b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
-            b_k2 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 2), s2, KV_FP8, FP8_NATIVE, True)
+            b_k2 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 2), s2, KV_FP8, FP8_NATIVE, SHARE_KEYS)
             b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
-            b_k3 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 3), s3, KV_FP8, FP8_NATIVE, True)
+            b_k3 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 3), s3, KV_FP8, FP8_NATIVE, SHARE_KEYS)
             b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
         else:
             # The whole key is loaded first (loading groups 1-3 later was 9-38% slower, docs/sparse_mla.md)
@@ -279,10 +305,14 @@ def _sparse_mla_fwd_kernel(
         b_alpha = tl.math.exp2(b_m - b_m_use)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_p16 = _sparse_mla_bf16(b_p)
-        b_acc0 = b_acc0 * b_alpha[:, None] + _sparse_mla_mma(b_p16, b_k0)
-        b_acc1 = b_acc1 * b_alpha[:, None] + _sparse_mla_mma(b_p16, b_k1)
-        b_acc2 = b_acc2 * b_alpha[:, None] + _sparse_mla_mma(b_p16, b_k2)
-        b_acc3 = b_acc3 * b_alpha[:, None] + _sparse_mla_mma(b_p16, b_k3)
+        b_acc0 = b_acc0 * b_alpha[:, None] + _sparse_mla_mma(
+            b_p16, _sparse_mla_values(b_k0, p_row, m_n, s0, 0, KV_FP8, FP8_NATIVE, REREAD_KEYS))
+        b_acc1 = b_acc1 * b_alpha[:, None] + _sparse_mla_mma(
+            b_p16, _sparse_mla_values(b_k1, p_row, m_n, s1, 1, KV_FP8, FP8_NATIVE, REREAD_KEYS))
+        b_acc2 = b_acc2 * b_alpha[:, None] + _sparse_mla_mma(
+            b_p16, _sparse_mla_values(b_k2, p_row, m_n, s2, 2, KV_FP8, FP8_NATIVE, REREAD_KEYS))
+        b_acc3 = b_acc3 * b_alpha[:, None] + _sparse_mla_mma(
+            b_p16, _sparse_mla_values(b_k3, p_row, m_n, s3, 3, KV_FP8, FP8_NATIVE, REREAD_KEYS))
         b_m = b_m_new
 
     m_empty = b_l == 0.0
