@@ -28,7 +28,7 @@ key indices), a block of ``BLOCK_H`` heads and one split of the key list:
   without it, the gather has no in-iteration dependency and is pipelined over ``num_stages``
   buffers (for keys feeding the MMAs directly);
 - each latent group is converted right before its ``q . k`` MMA (one converted group live at a time);
-  with ``SHARE_KEYS`` groups 1-3 are also read there, after the rope product.
+  with ``SHARE_KEYS`` or ``REREAD_KEYS`` groups 1-3 are also read there, after the rope product.
 
 Outputs: ``SPLIT=False`` writes the final bf16 ``out``, the natural-log ``lse`` (``+inf`` for a row
 without a valid key) and, when ``HAS_MAX``, ``max_logits``; ``attn_sink`` is applied here.
