@@ -204,9 +204,12 @@ def paged_gluon_config(next_n: int, tma: bool) -> PagedGluonConfig | None:
 # warp. Under the mma.sync proxy on an H200 (B 128, CUDA graph, two passes) 1.08-1.09x faster with sm_120's and
 # sm_89's configurations at contexts 8K / 32K (0.308 against 0.337 ms at 32K) and 1.38-1.43x with sm_86's
 # (integer e4m3 decoding: 0.391 against 0.559 ms). At 64 heads and two rows the slices were slower (0.96x), so
-# that entry keeps one product per row.
+# that entry keeps one product per row. Its chunks are planned for 4 programs per SM, what the compiled tile holds
+# on sm_120 / 121 (106 registers) and sm_89: under the proxy on an H100 (B 8-128, 8K-64K, graph) 1.07-1.14x
+# faster than the plan for 6 with sm_120's and sm_89's configurations (equal at B 16, 8K) and 1.00-1.05x with
+# sm_86's (which holds 3 by shared memory, but chunks for 3 ran 0.95-0.96x those for 4 there).
 PAGED_SMALL_TUNED: dict[tuple[int, int], LogitsConfig] = {
-    (64, 1): LogitsConfig(64, 64, 4, 3, row_loop=True, head_slices=2, resident=6),
+    (64, 1): LogitsConfig(64, 64, 4, 3, row_loop=True, head_slices=2, resident=4),
 }
 
 PAGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {

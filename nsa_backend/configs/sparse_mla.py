@@ -97,7 +97,11 @@ class AttnConfig:
         return opts
 
     def shared_bytes_estimate(self, kv_fp8: bool) -> int:
-        """Lower bound: the q tile and one bf16 key tile (plus its raw bytes for the FP8 cache)."""
+        """Lower bound: the q tile and one bf16 key tile (plus its raw bytes for the FP8 cache); with
+        ``reread_keys`` the latent groups pass through registers one at a time, and shared memory holds the q
+        tile and 192 B per key (43 / 48 KiB for 32 / 64 keys at 32 heads, compiled for sm_120)."""
+        if kv_fp8 and self.reread_keys:
+            return 1152 * self.block_h + 192 * self.block_n
         return 1152 * (self.block_h + self.block_n) + (512 * self.block_n if kv_fp8 else 0)
 
 
@@ -176,10 +180,16 @@ DECODE_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
 # decode) and reads its groups again for P V (``reread_keys``): 43 KiB, two programs per SM, 4 B of spill
 # against 396; 1.09-1.17x faster at h_q 32 / 64 / 128 with sm_120's and sm_89's configurations and 1.02-1.03x
 # with sm_86's (H200, proxy; 1.059 against 1.184 ms at h_q 128, B 128; bench/results/h200-proxy-sm120/
-# reread-and-head-slices).
+# reread-and-head-slices). It takes 64 keys per pass: half the passes, so half the softmax and accumulator
+# rescaling per key, in 48 KiB (still two programs per SM) at the price of a spill (520 B per thread on sm_120,
+# 460 / 556 B on sm_89 / sm_86; over 8 warps nothing spills but one program fits per SM, and that ran only 1.00-1.07x
+# the 32-key tile).
+# Under the proxy (H100, B 128 / 32, top-k 2048, CUDA graph) 1.20-1.34x faster than the 32-key tile with sm_120's
+# and sm_89's configurations at h_q 32 / 64 / 128 and 1.03-1.16x with sm_86's, although the proxy's own build of
+# the tile spills more (736 B); bench/results/h100-proxy-sm120/decode-64-keys-and-paged-plan.
 DECODE_FP8_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
     "small": {16: (AttnConfig(16, 16, 4, 2, share_keys=True),),
-              32: (AttnConfig(32, 32, 4, 1, reread_keys=True),)},
+              32: (AttnConfig(32, 64, 4, 1, reread_keys=True),)},
 }
 
 

@@ -83,12 +83,13 @@ _REAL = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sparse_mla_decode_loop_on_sm120():
-    """The 32-head decode tile: 136 mma.sync per loop pass (72 for ``q K^T``, 64 for ``P V`` per warp), and the
-    fp8 cache adds the e4m3 conversions and shared-memory stores of the converted keys to the bf16 loop."""
+    """The 32-head decode tiles: 136 mma.sync per loop pass of 32 keys (72 for ``q K^T``, 64 for ``P V`` per warp)
+    over the bf16 cache, twice that for the fp8 cache's 64 keys per pass, and the fp8 cache adds the e4m3
+    conversions and shared-memory stores of the converted keys."""
     got = run_aot_script(_REAL, timeout=600)
     bf16, fp8 = got["bf16"], got["fp8"]
     assert bf16["loop"] and fp8["loop"]
-    assert bf16["mma"] == fp8["mma"] == 136
+    assert bf16["mma"] == 136 and fp8["mma"] == 2 * 136
     assert fp8["conversions"] > 100 > bf16["conversions"]
     assert fp8["shared_stores"] > bf16["shared_stores"]
 
@@ -129,18 +130,18 @@ def test_shared_keys_tile_stores_its_keys_once_on_sm120():
 
 
 @pytest.mark.slow
-def test_reread_keys_tile_does_not_spill_on_sm120():
-    """The 32-head fp8 decode tile of the 100 KiB parts reads each latent group again for ``P V`` instead of
-    holding a converted copy across the softmax: its loop keeps at most one spilled word (one local access per
-    pass with Triton 3.9, against 139 when the copy is held), the same MMAs, and its shared memory still fits
-    two programs per 100 KiB SM."""
+def test_reread_keys_tile_spills_less_on_sm120():
+    """The 32-head fp8 decode tile of the 100 KiB parts (64 keys per pass) reads each latent group again for
+    ``P V`` instead of holding a converted copy across the softmax: with Triton 3.9, 102 local accesses per loop
+    pass and 520 B of spill against 782 and 2096 B when the copy is held, the same MMAs, and its shared memory
+    still fits two programs per 100 KiB SM."""
     got = run_aot_script(_KEYS_FLAG, "REREAD_KEYS", timeout=600)
     reread, held = got["on"], got["off"]
     assert reread["block_h"] == 32 and reread["loop"] and held["loop"]
     assert reread["mma"] == held["mma"]
-    assert reread["local"] <= 2 and held["local"] >= 50, (reread, held)
+    assert 4 * reread["local"] <= held["local"], (reread, held)
     assert reread["global_loads"] > held["global_loads"]
-    assert reread["spill"] < held["spill"]
+    assert 3 * reread["spill"] <= held["spill"], (reread, held)
     assert 2 * reread["shared"] <= 100 * 1024
 
 
