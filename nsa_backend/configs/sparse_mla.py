@@ -182,11 +182,11 @@ DECODE_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
 # with sm_86's (H200, proxy; 1.059 against 1.184 ms at h_q 128, B 128; bench/results/h200-proxy-sm120/
 # reread-and-head-slices). It takes 64 keys per pass: half the passes, so half the softmax and accumulator
 # rescaling per key, in 48 KiB (still two programs per SM) at the price of a spill (520 B per thread on sm_120,
-# 460 / 556 B on sm_89 / sm_86; over 8 warps nothing spills but one program fits per SM, and that ran only 1.00-1.07x
-# the 32-key tile).
-# Under the proxy (H100, B 128 / 32, top-k 2048, CUDA graph) 1.20-1.34x faster than the 32-key tile with sm_120's
-# and sm_89's configurations at h_q 32 / 64 / 128 and 1.03-1.16x with sm_86's, although the proxy's own build of
-# the tile spills more (736 B); bench/results/h100-proxy-sm120/decode-64-keys-and-paged-plan.
+# 460 / 556 B on sm_89 / sm_86; over 8 warps nothing spills but one program fits per SM, and that ran only
+# 1.00-1.07x the 32-key tile). Under the proxy (H100, B 128 / 32, top-k 2048, CUDA graph) 1.20-1.34x faster than
+# the 32-key tile with sm_120's and sm_89's configurations at h_q 32 / 64 / 128 and 1.03-1.16x with sm_86's,
+# although the proxy's own build of the tile spills more (736 B); bench/results/h100-proxy-sm120/
+# decode-64-keys-and-paged-plan.
 DECODE_FP8_CONFIGS: dict[str, dict[int, tuple[AttnConfig, ...]]] = {
     "small": {16: (AttnConfig(16, 16, 4, 2, share_keys=True),),
               32: (AttnConfig(32, 64, 4, 1, reread_keys=True),)},
