@@ -23,7 +23,10 @@ sm_100) GPU, ``nsa-backend bench --proxy sm120``
 
 What the proxy does not model: the proxied chip's memory bandwidth and clocks (an H200 reads 4.8 TB/s,
 an RTX 5090 1.8 TB/s), instruction rates that differ between the chips, and the L1 cache left beside
-the shared memory (larger on an H100 / H200 SM). Ratios against the
+the shared memory (larger on an H100 / H200 SM). fp8 products in particular: for sm_90 Triton compiles
+an e4m3 ``tl.dot`` as fp16 ``mma.sync`` on converted operands (sm_89 / sm_120 take e4m3 ``mma.sync``
+at twice their fp16 rate), so the fp8 kernels and the e4m3 limit run at an fp16 rate here
+(``docs/performance.md``, "fp8 products under the proxy"). Ratios against the
 same-run limits are the comparable figures, not the milliseconds.
 """
 

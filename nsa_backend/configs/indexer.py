@@ -133,21 +133,6 @@ PAGED_WGMMA_TUNED: dict[tuple[int, int], LogitsConfig] = {
     (64, 1): LogitsConfig(64, 64, 4, 6, page_ahead=True, k_mask=False, resident=6),
     (64, 2): LogitsConfig(64, 128, 4, 8, row_loop=True, k_mask=False, resident=4),
 }
-# sm_120 / sm_121 entries by (HP, rows), from a sweep under the sm120 proxy on an H100 (B 128, context 32K,
-# page 64, CUDA graph; each launch checked against the table's choice on the same inputs, equal to 1e-7):
-# 128-key tiles over 2 stages at 64 heads / 2 rows 0.48 ms against 0.79 and at 32 heads / 1 row 0.22
-# against 0.30; the row loop at 32 heads / 2 rows 0.32 against 0.37. At 64 heads / 1 row no candidate beat
-# the table (bench/results/h100-proxy-sm120/sweeps). With sm_120's 100 KiB of shared memory per SM
-# (the proxy's carveout; bench/results/h100-proxy-sm120/sweeps-<commit>), the row loop over 64-key tiles
-# and 3 stages took 0.61 ms at 64 heads / 2 rows against 0.72 for the 128-key tiles; the other entries
-# stayed the fastest.
-PAGED_SM120_TUNED: dict[tuple[int, int], LogitsConfig] = {
-    (64, 2): LogitsConfig(64, 128, 4, 3, row_loop=True, resident=4),
-    (32, 1): LogitsConfig(128, 32, 4, 2, resident=4),
-    (32, 2): LogitsConfig(64, 64, 4, 3, row_loop=True, resident=4),
-}
-
-
 @dataclass(frozen=True)
 class PagedGluonConfig:
     """Launch of the sm_90 Gluon paged kernel (``nsa_backend/kernels/indexer/sm90_gluon_paged.py``).
@@ -199,17 +184,27 @@ def paged_gluon_config(next_n: int, tma: bool) -> PagedGluonConfig | None:
     return (PAGED_GLUON if tma else PAGED_GLUON_CP).get(next_n)
 
 
-# Every 100 KiB-per-SM part (sm_86 / 89 / 120 / 121) by (HP, rows), under the entries above: at 64 heads and one
-# row, two 32-head products per key tile (``head_slices``) over the row loop keep each key's head sum inside a
-# warp. Under the mma.sync proxy on an H200 (B 128, CUDA graph, two passes) 1.08-1.09x faster with sm_120's and
-# sm_89's configurations at contexts 8K / 32K (0.308 against 0.337 ms at 32K) and 1.38-1.43x with sm_86's
-# (integer e4m3 decoding: 0.391 against 0.559 ms). At 64 heads and two rows the slices were slower (0.96x), so
-# that entry keeps one product per row. Its chunks are planned for 4 programs per SM, what the compiled tile holds
-# on sm_120 / 121 (106 registers) and sm_89: under the proxy on an H100 (B 8-128, 8K-64K, graph) 1.07-1.14x
-# faster than the plan for 6 with sm_120's and sm_89's configurations (equal at B 16, 8K) and 1.00-1.05x with
-# sm_86's (which holds 3 by shared memory, but chunks for 3 ran 0.95-0.96x those for 4 there).
+# Every 100 KiB-per-SM part (sm_86 / 89 / 120 / 121) by (HP, rows). At 64 heads and one row, two 32-head products
+# per key tile (``head_slices``) over the row loop keep each key's head sum inside a warp. Under the mma.sync proxy
+# on an H200 (B 128, CUDA graph, two passes) 1.08-1.09x faster with sm_120's and sm_89's configurations at contexts
+# 8K / 32K (0.308 against 0.337 ms at 32K) and 1.38-1.43x with sm_86's (integer e4m3 decoding: 0.391 against
+# 0.559 ms). Its chunks are planned for 4 programs per SM, what the compiled tile holds on sm_120 / 121 (106
+# registers) and sm_89: under the proxy on an H100 (B 8-128, 8K-64K, graph) 1.07-1.14x faster than the plan for 6
+# with sm_120's and sm_89's configurations (equal at B 16, 8K) and 1.00-1.05x with sm_86's (which holds 3 by shared
+# memory, but chunks for 3 ran 0.95-0.96x those for 4 there).
+# The other three entries come from sweeps with sm_120's configuration under the proxy on an H100 (B 128, 32K, page
+# 64, graph): 64-key tiles over 3 stages with the row loop at 64 heads / 2 rows (0.61 ms against 0.72 for 128-key
+# tiles over 2 stages; at 64 heads and two rows the head slices ran 0.96x), 128-key tiles over 2 stages at 32 heads /
+# 1 row (0.22 against 0.30) and the row loop at 32 heads / 2 rows (0.32 against 0.37); bench/results/h100-proxy-sm120/
+# sweeps and sweeps-51b65c0. They serve sm_86 and sm_89 too: under the proxy on an H100 (B 8-128, 8K-64K, graph)
+# 1.16-1.45x faster than sm_89's table launches and 1.38-2.10x than sm_86's (1.03-1.20x / 1.20-1.57x at B 16, 8K),
+# every result within 2.2e-7 of the table's (bench/results/h100-proxy-sm120/paged-small-table). Chunks for 3 or 5
+# programs per SM ran 0.76-0.94x those for 4 with sm_120's configuration (equal at B 16, 8K).
 PAGED_SMALL_TUNED: dict[tuple[int, int], LogitsConfig] = {
     (64, 1): LogitsConfig(64, 64, 4, 3, row_loop=True, head_slices=2, resident=4),
+    (64, 2): LogitsConfig(64, 128, 4, 3, row_loop=True, resident=4),
+    (32, 1): LogitsConfig(128, 32, 4, 2, resident=4),
+    (32, 2): LogitsConfig(64, 64, 4, 3, row_loop=True, resident=4),
 }
 
 PAGED_CONFIGS: dict[str, tuple[LogitsConfig, ...]] = {
@@ -260,12 +255,12 @@ def ragged_config(num_heads: int, head_dim: int, arch: int | None) -> LogitsConf
     return replace(last, cols=max(last.cols, hp), num_stages=1)
 
 
-def _paged_tuned(kind: str, arch: int | None) -> dict[tuple[int, int], LogitsConfig]:
-    """The arch's entries by ``(HP, rows)`` that replace :data:`PAGED_CONFIGS` (none for most archs)."""
+def _paged_tuned(kind: str) -> dict[tuple[int, int], LogitsConfig]:
+    """The entries by ``(HP, rows)`` of an arch kind that replace :data:`PAGED_CONFIGS` (none for most)."""
     if kind == "wgmma":
         return PAGED_WGMMA_TUNED
     if kind == "small":
-        return {**PAGED_SMALL_TUNED, **(PAGED_SM120_TUNED if arch in (120, 121) else {})}
+        return PAGED_SMALL_TUNED
     return {}
 
 
@@ -281,7 +276,7 @@ def paged_config(num_heads: int, next_n: int, head_dim: int, arch: int | None) -
     kind = arch_kind(arch)
     candidates = PAGED_CONFIGS[kind]
     rows = padded_next_n(next_n)
-    tuned = _paged_tuned(kind, arch).get((hp, rows))
+    tuned = _paged_tuned(kind).get((hp, rows))
     if tuned is not None and tuned.shared_bytes_estimate(head_dim, native) <= budget:
         return tuned
     while True:

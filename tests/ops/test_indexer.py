@@ -196,11 +196,9 @@ def test_fp8_paged_mqa_logits_variants(variant, next_n, ctx_2d, pad):
 TUNED_PAGED = [
     *(pytest.param(90, key, ci.PAGED_WGMMA_TUNED[key], id=f"sm90-hp{key[0]}-rows{key[1]}")
       for key in ci.PAGED_WGMMA_TUNED),
-    *(pytest.param(120, key, ci.PAGED_SM120_TUNED[key], id=f"sm120-hp{key[0]}-rows{key[1]}")
-      for key in ci.PAGED_SM120_TUNED),
     # the entries of every 100 KiB-per-SM part
     *(pytest.param(arch, key, ci.PAGED_SMALL_TUNED[key], id=f"sm{arch}-small-hp{key[0]}-rows{key[1]}")
-      for arch in (86, 89, 121) for key in ci.PAGED_SMALL_TUNED),
+      for arch in (86, 89, 120, 121) for key in ci.PAGED_SMALL_TUNED),
 ]
 
 
