@@ -212,6 +212,22 @@ def decode_config(block_h: int, arch: int | None, kv_fp8: bool) -> AttnConfig:
     return _pick(DECODE_CONFIGS, block_h, arch, kv_fp8)
 
 
+# kv_scale_format="pow2" (every scale a power of two below 2^8): the portable tile dequantises the fp8 cache with
+# integer bits and one bf16 product per pair of keys (2 instructions per element, ``_sparse_mla_pow2_dequant``) where
+# the archs without an fp8 unit (sm_80 / sm_86) decode e4m3 with integer operations into fp16 first (about 5). Same
+# numbers: bit-identical outputs under the mma.sync proxy on an H100 (B 32 / 128, top-k 2048, CUDA graph), and with
+# sm_86's configuration 1.09-1.41x faster (h_q 128, B 128: 0.840 against 1.066 ms), with sm_80's 1.03-1.29x. With
+# sm_120's and sm_89's configurations, which convert through the fp8 unit, it ran 0.94-1.05x (slower at h_q 64 / 128,
+# B 128), so those archs keep the fp8 unit (bench/results/h100-proxy-sm120/pow2-dequant).
+POW2_DEQUANT_WITH_FP8_UNIT = False
+
+
+def pow2_dequant(kv_scale_format: str | None, fp8_unit: bool) -> bool:
+    """Whether the fp8 decode tile takes the power-of-two dequantisation for caches of ``kv_scale_format`` on an
+    arch that converts e4m3 with its fp8 unit (``fp8_unit``) or with integer operations."""
+    return kv_scale_format == "pow2" and (POW2_DEQUANT_WITH_FP8_UNIT or not fp8_unit)
+
+
 def decode_num_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_sms: int,
                       block_h: int = 64, programs_per_sm: int | None = None) -> tuple[int, int]:
     """``(num_splits, keys_per_split)`` for ``rows`` query rows: a function of the shapes only.

@@ -280,15 +280,19 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
                   "stride_idx_row stride_page stride_row stride_ob stride_or stride_os stride_oh stride_lb "
                   "stride_lr stride_ls stride_lh").split():
             sig[n] = "i32"
-        cx = dict(D_ROPE=64, BLOCK_H=c.block_h, BLOCK_N=c.block_n, KV_FP8=fp8, FP8_NATIVE=native, SPLIT=split,
-                  IDX_AHEAD=c.idx_ahead, SHARE_KEYS=c.share_keys and fp8, REREAD_KEYS=c.reread_keys and fp8,
-                  HAS_SINK=True, HAS_TOPK_LEN=True, HAS_MAX=not split)
-        label = (f"{'fp8' if fp8 else 'bf16'} BLOCK_H={c.block_h} BLOCK_N={c.block_n} warps={c.num_warps} "
-                 f"stages={c.num_stages} idx_ahead={c.idx_ahead}" + (f" maxnreg={c.maxnreg}" if c.maxnreg else "")
-                 + (" share_keys" if cx["SHARE_KEYS"] else "") + (" reread_keys" if cx["REREAD_KEYS"] else ""))
-        jobs.append(AotJob("sparse_mla", kind, label, arch, sparse_mla_prefill._sparse_mla_fwd_kernel,
-                           _constexpr(sig, cx), cx, c.num_warps, c.num_stages, _div16(sig),
-                           {"maxnreg": c.maxnreg} if c.maxnreg else {}))
+        # fp8 decode also with the power-of-two dequantisation where the launcher takes it (kv_scale_format="pow2")
+        pow2_choices = (False, True) if fp8 and split and cfg_sparse_mla.pow2_dequant("pow2", native) else (False,)
+        for pow2 in pow2_choices:
+            cx = dict(D_ROPE=64, BLOCK_H=c.block_h, BLOCK_N=c.block_n, KV_FP8=fp8, FP8_NATIVE=native, SPLIT=split,
+                      IDX_AHEAD=c.idx_ahead, SHARE_KEYS=c.share_keys and fp8, REREAD_KEYS=c.reread_keys and fp8,
+                      HAS_SINK=True, HAS_TOPK_LEN=True, HAS_MAX=not split, POW2_SCALES=pow2)
+            label = (f"{'fp8' if fp8 else 'bf16'} BLOCK_H={c.block_h} BLOCK_N={c.block_n} warps={c.num_warps} "
+                     f"stages={c.num_stages} idx_ahead={c.idx_ahead}"
+                     + (f" maxnreg={c.maxnreg}" if c.maxnreg else "") + (" share_keys" if cx["SHARE_KEYS"] else "")
+                     + (" reread_keys" if cx["REREAD_KEYS"] else "") + (" pow2" if pow2 else ""))
+            jobs.append(AotJob("sparse_mla", kind, label, arch, sparse_mla_prefill._sparse_mla_fwd_kernel,
+                               _constexpr(sig, cx), cx, c.num_warps, c.num_stages, _div16(sig),
+                               {"maxnreg": c.maxnreg} if c.maxnreg else {}))
     merge_sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
                  "lse_ptr": "*fp32", "h_q": "i32", "s_q": "i32", "num_splits": "i32"}
     for block_d in cfg_sparse_mla.MERGE_BLOCK_D_CHOICES:

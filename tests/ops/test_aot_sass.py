@@ -94,14 +94,17 @@ def test_sparse_mla_decode_loop_on_sm120():
     assert fp8["shared_stores"] > bf16["shared_stores"]
 
 
-# The shipped fp8 decode tile whose configuration sets the flag named by argv[1] (a constexpr of the kernel),
-# compiled as shipped ("on") and with the flag off ("off"): its hot loop's instruction mix, spill and shared memory.
+# The shipped fp8 decode tile with the most heads whose build sets the flag named by argv[1] (a constexpr of the
+# kernel) on sm_<argv[2]> (default 120), compiled as shipped ("on") and with the flag off ("off"): its hot loop's
+# instruction mix, spill and shared memory.
 _KEYS_FLAG = textwrap.dedent("""
     import dataclasses, json, sys
     from nsa_backend.kernels.aot_registry import sparse_mla_jobs
     from nsa_backend.kernels.aot_sass import disassemble, instruction_mix
     flag = sys.argv[1]
-    job = next(j for j in sparse_mla_jobs(120) if j.kind == "decode" and j.constexprs["KV_FP8"] and j.constexprs[flag])
+    arch = int(sys.argv[2]) if len(sys.argv) > 2 else 120
+    jobs = [j for j in sparse_mla_jobs(arch) if j.kind == "decode" and j.constexprs["KV_FP8"] and j.constexprs[flag]]
+    job = max(jobs, key=lambda j: j.constexprs["BLOCK_H"])
     off = dataclasses.replace(job, constexprs={**job.constexprs, flag: False})
     out = {}
     for name, j in (("on", job), ("off", off)):
@@ -113,18 +116,25 @@ _KEYS_FLAG = textwrap.dedent("""
 """)
 
 
+def _keys_flag(flag: str, block_h: int, arch: int = 120) -> tuple[dict, dict, dict[str, int]]:
+    """``_KEYS_FLAG`` for ``flag`` on ``sm_<arch>``: the tile built with it (``on``) and without (``off``), checked
+    to be the ``block_h``-head tile with a loop and the same MMAs either way, and the instructions per loop pass
+    of each."""
+    got = run_aot_script(_KEYS_FLAG, flag, str(arch), timeout=600)
+    on, off = got["on"], got["off"]
+    assert on["block_h"] == block_h and on["loop"] and off["loop"]
+    assert on["mma"] == off["mma"]
+    counted = ("loop", "block_h", "spill", "shared")
+    return on, off, {k: sum(v for c, v in d.items() if c not in counted) for k, d in got.items()}
+
+
 @pytest.mark.slow
 def test_shared_keys_tile_stores_its_keys_once_on_sm120():
     """The fp8 decode tile that shares its keys (the 16-head tile of the 100 KiB parts) converts each latent group
     once into shared memory for both MMAs: fewer shared loads, barriers and instructions per loop pass than the
     same tile converting per MMA (685 against 902 with Triton 3.9), and no spill in its loop."""
-    got = run_aot_script(_KEYS_FLAG, "SHARE_KEYS", timeout=600)
-    shared, plain = got["on"], got["off"]
-    assert shared["block_h"] == 16 and shared["loop"] and plain["loop"]
-    assert shared["mma"] == plain["mma"]
+    shared, plain, total = _keys_flag("SHARE_KEYS", 16)
     assert shared["shared_loads"] < plain["shared_loads"] and shared["barriers"] < plain["barriers"], (shared, plain)
-    counted = ("loop", "block_h", "spill", "shared")
-    total = {k: sum(v for c, v in d.items() if c not in counted) for k, d in got.items()}
     assert total["on"] <= 0.85 * total["off"], total
     assert shared["local"] == 0
 
@@ -135,14 +145,22 @@ def test_reread_keys_tile_spills_less_on_sm120():
     ``P V`` instead of holding a converted copy across the softmax: with Triton 3.9, 102 local accesses per loop
     pass and 520 B of spill against 782 and 2096 B when the copy is held, the same MMAs, and its shared memory
     still fits two programs per 100 KiB SM."""
-    got = run_aot_script(_KEYS_FLAG, "REREAD_KEYS", timeout=600)
-    reread, held = got["on"], got["off"]
-    assert reread["block_h"] == 32 and reread["loop"] and held["loop"]
-    assert reread["mma"] == held["mma"]
+    reread, held, _ = _keys_flag("REREAD_KEYS", 32)
     assert 4 * reread["local"] <= held["local"], (reread, held)
     assert reread["global_loads"] > held["global_loads"]
     assert 3 * reread["spill"] <= held["spill"], (reread, held)
     assert 2 * reread["shared"] <= 100 * 1024
+
+
+@pytest.mark.slow
+def test_pow2_dequant_tile_converts_with_fewer_instructions_on_sm86():
+    """On sm_86 (no fp8 unit) the 32-head fp8 decode tile dequantises power-of-two scales (``kv_scale_format="pow2"``)
+    with integer bits and one bf16 product per pair of keys instead of decoding e4m3 into fp16 and multiplying in
+    fp32: with Triton 3.9, 4026 instructions per loop pass against 6810, 44 conversions against 264 and 272 B of
+    spill against 556, the same MMAs."""
+    pow2, general, total = _keys_flag("POW2_SCALES", 32, arch=86)
+    assert pow2["conversions"] < general["conversions"] and pow2["spill"] < general["spill"], (pow2, general)
+    assert total["on"] <= 0.7 * total["off"], total
 
 
 _HEAD_SLICES = textwrap.dedent(r"""

@@ -320,6 +320,13 @@ DECODE_CPU = [
               B=1, h_q=17, topk=33, page=8, num_blocks=5, frac_invalid=0.1, sink=True,
           ),
       )),
+    # kv_scale_format="pow2" where the integer dequantisation of power-of-two scales is taken (the interpreter runs
+    # the general conversion in its place; tests/ops/test_sparse_mla_decode_gluon.py checks its bits)
+    _decode_param(
+        "fp8-pow2-integer-reread-keys-split2",
+        dict(num_splits=2, native_fp8=False, kv_scale_format="pow2", config=("reread_keys",)),
+        s_q=2, h_q=6, topk=45, num_blocks=4, frac_invalid=0.25, sink=True, topk_len=True, scale_format="pow2",
+    ),
     _decode_param(
         "fp8-integer-split2-sink-topklen",
         dict(num_splits=2, native_fp8=False),
@@ -349,6 +356,17 @@ def test_decode_matches_reference(kw, launch):
                      reread_keys="reread_keys" in flags)
     a = decode_case(seed=2, **kw)
     run_decode_case(a, str(kw), config=cfg, **launch)
+
+
+def test_pow2_dequant_replaces_the_integer_e4m3_decoding():
+    """The power-of-two dequantisation is taken for ``kv_scale_format="pow2"`` on the archs that decode e4m3 with
+    integer operations; archs with an fp8 unit keep it (measured no faster there), and other scale formats never
+    take it."""
+    from nsa_backend.configs.sparse_mla import pow2_dequant
+
+    assert pow2_dequant("pow2", fp8_unit=False)
+    assert not pow2_dequant("pow2", fp8_unit=True)
+    assert not pow2_dequant("arbitrary", fp8_unit=False) and not pow2_dequant(None, fp8_unit=False)
 
 
 def test_share_and_reread_keys_exclude_each_other():
@@ -566,6 +584,8 @@ def test_decode_gpu_fuzz(shard):
     errs = []
     for i, c in enumerate(decode_fuzz_cases(300)):
         launch = {"num_splits": rnd.choice([None, None, 1])}
+        if c["kv_format"] == "fp8_ds_mla" and c["scale_format"] == "pow2" and i % 2 == 0:
+            launch["kv_scale_format"] = "pow2"  # the integer dequantisation of power-of-two scales
         if i % FUZZ_SHARDS == shard:
             errs.append(run_decode_case(decode_case(**c), str(c) + str(launch), **launch))
     print(f"decode fuzz shard {shard}: {len(errs)} cases, max abs err {max(errs):.3e}")
@@ -603,6 +623,33 @@ def test_idx_ahead_and_register_cap_gpu():
         _check_out("out", out, r_out, str(c) + str(cfg), r_abs)
         _check_stat("lse", lse, r_lse, str(c) + str(cfg))
         _check_stat("max_logits", mx, r_mx, str(c) + str(cfg))
+
+
+@pytest.mark.gpu
+def test_decode_pow2_scales_give_the_same_numbers_gpu():
+    """``kv_scale_format="pow2"`` (integer dequantisation, one bf16 product per pair of keys) gives the bits of the
+    general path on caches with power-of-two scales, on every tile the tables use and through both e4m3 decodings:
+    every byte value but NaN, scales from 2^-30 to 2^7, invalid and masked keys."""
+    from nsa_backend.configs.sparse_mla import AttnConfig
+    from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
+
+    cfgs = [None, AttnConfig(16, 16, 4, 2, share_keys=True), AttnConfig(32, 64, 4, 1, reread_keys=True),
+            AttnConfig(32, 32, 4, 2), AttnConfig(16, 32, 4, 4, idx_ahead=True)]
+    g = torch.Generator().manual_seed(3)
+    for i, cfg in enumerate(cfgs):
+        a = decode_case(3, 2, 32, 512, "fp8_ds_mla", "pow2", 64, 20, 0.1, True, True, False, seed=40 + i)
+        rows = a["kv_cache"].view(-1, 656)
+        latent = torch.randint(0, 256, (rows.shape[0], 512), generator=g, dtype=torch.uint8)
+        latent[(latent & 0x7F) == 0x7F] = 0x00  # e4m3 NaN
+        latent[0] = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8).repeat(3)[:512]
+        scales = torch.exp2(torch.randint(-30, 8, (rows.shape[0], 4), generator=g).float())
+        rows[:, :512] = latent.to(rows.device)
+        rows[:, 512:528] = scales.view(torch.uint8).view(-1, 16).to(rows.device)
+        for native in (None, False):
+            want = sparse_mla_decode_triton(**a, config=cfg, native_fp8=native)
+            got = sparse_mla_decode_triton(**a, kv_scale_format="pow2", config=cfg, native_fp8=native)
+            for name, x, y in (("out", got[0], want[0]), ("lse", got[1], want[1])):
+                assert torch.equal(x, y), (name, cfg, native, (x.float() - y.float()).abs().max().item())
 
 
 @pytest.mark.gpu

@@ -199,18 +199,18 @@ def _pow2_bits(pairs: torch.Tensor, selector: int) -> torch.Tensor:
     return torch.stack([word & 0xFFFF, word >> 16], dim=1)
 
 
-def test_gluon_decode_pow2_bits_are_e4m3_times_2_pow_minus_120():
-    """The integer steps of ``POW2_SCALES`` (the selectors and mask in the kernel's PTX) give, for every pair of
-    bytes, the bf16 bits of ``e4m3(b) * 2^-120`` exactly (subnormals and signed zeros included), so one bf16
-    multiply by ``scale * 2^120`` is ``bf16(e4m3 * scale)`` for a power-of-two scale."""
-    import inspect
+@pytest.mark.parametrize("product", ["mul", "fma"])
+def test_decode_pow2_bits_are_e4m3_times_2_pow_minus_120(product):
+    """The integer steps of ``POW2_SCALES`` (the selectors and mask of ``pow2_dequant_ptx``, which the sm_90 Gluon
+    kernels and the portable tile use) give, for every pair of bytes, the bf16 bits of ``e4m3(b) * 2^-120`` exactly
+    (subnormals and signed zeros included), so one bf16 product with ``scale * 2^120`` is ``bf16(e4m3 * scale)``
+    for a power-of-two scale."""
     import re
 
-    from nsa_backend.kernels.sparse_mla_decode import sm90_gluon as m
+    from nsa_backend.kernels.sparse_mla_prefill.common import pow2_dequant_ptx
 
-    src = inspect.getsource(m)  # the kernel's source, also where this Triton has no Gluon
-    src = src[src.index("def _sparse_mla_decode_gluon_dequant("):]
-    src = src[: src.index("@gluon.jit")]
+    src = pow2_dequant_ptx(product)
+    assert f"{product}.rn.bf16x2 $0, a, $3" in src
     sel = [int(x, 16) for x in re.findall(r"prmt\.b32 \w, \$2, 0, (0x[0-9A-Fa-f]+);", src)]
     assert len(sel) == 2 and "0x87F087F0" in src, src
     b = torch.arange(256)
@@ -224,6 +224,13 @@ def test_gluon_decode_pow2_bits_are_e4m3_times_2_pow_minus_120():
         finite = ~torch.isnan(want)
         assert torch.equal(got[finite], want[finite])
         assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
+
+
+def test_pow2_dequant_ptx_refuses_an_unknown_product():
+    from nsa_backend.kernels.sparse_mla_prefill.common import pow2_dequant_ptx
+
+    with pytest.raises(ValueError, match=r"product: expected 'mul' or 'fma', got 'add'"):
+        pow2_dequant_ptx("add")
 
 
 @pytest.mark.parametrize("kw, match", [

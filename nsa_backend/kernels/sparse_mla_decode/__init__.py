@@ -31,7 +31,14 @@ from __future__ import annotations
 
 import torch
 
-from nsa_backend.configs.sparse_mla import AttnConfig, decode_config, decode_num_splits, heads_per_program, split_keys
+from nsa_backend.configs.sparse_mla import (
+    AttnConfig,
+    decode_config,
+    decode_num_splits,
+    heads_per_program,
+    pow2_dequant,
+    split_keys,
+)
 from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._gluon import gluon_enabled
 from nsa_backend.kernels._launch import CachedLauncher, cdiv
@@ -137,8 +144,9 @@ def sparse_mla_decode_triton(
     topk_length : torch.Tensor, optional
         ``[B]`` ``int32``: request ``b`` uses its first ``topk_length[b]`` indices.
     kv_scale_format : str, optional
-        ``"pow2"``: every scale of the fp8 cache is a power of two, which the sm_90 Gluon kernels
-        dequantise with fewer instructions (same numbers); ``None`` / ``"arbitrary"``: any scales.
+        ``"pow2"``: every scale of the fp8 cache is a power of two below ``2^8``, which the sm_90 Gluon kernels
+        and, on archs without an fp8 unit, the ``tl`` tile dequantise with fewer instructions (same numbers;
+        ``nsa_backend.configs.sparse_mla.pow2_dequant``); ``None`` / ``"arbitrary"``: any scales.
     config, num_splits, native_fp8 : optional
         Override the launch configuration, the split of the top-k list over programs and the e4m3
         decoding path chosen from the shapes and the architecture.
@@ -172,11 +180,11 @@ def sparse_mla_decode_triton(
     R = B * s_q
     idx = indices.view(R, topk)
     head_blocks = cdiv(h_q, cfg.block_h)
+    native = fp8_native(arch) if native_fp8 is None else native_fp8
     common = dict(
-        D_ROPE=d_qk - d_v, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        KV_FP8=fp8, FP8_NATIVE=fp8_native(arch) if native_fp8 is None else native_fp8,
+        D_ROPE=d_qk - d_v, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, KV_FP8=fp8, FP8_NATIVE=native,
         IDX_AHEAD=cfg.idx_ahead, SHARE_KEYS=cfg.share_keys and fp8, REREAD_KEYS=cfg.reread_keys and fp8,
-        **cfg.launch_options(),
+        POW2_SCALES=fp8 and pow2_dequant(kv_scale_format, native), **cfg.launch_options(),
     )
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), width)

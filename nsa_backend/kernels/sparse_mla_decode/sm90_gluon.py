@@ -93,7 +93,7 @@ from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
 from nsa_backend.kernels.sparse_mla_decode.merge import merge_splits
-from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, pow2_dequant_ptx
 
 if gluon_importable():
     from triton.experimental import gluon
@@ -113,6 +113,8 @@ else:  # pragma: no cover - the kernel is never launched without Gluon
 
 # Architectures the kernel is written for.
 GLUON_DECODE_ARCHS: tuple[int, ...] = (90,)
+# The power-of-two dequantisation with the sm_90 bf16 multiply.
+_POW2_DEQUANT_PTX = triton.language.constexpr(pow2_dequant_ptx("mul"))
 # Warps of the compute partition (two warpgroups).
 GLUON_DECODE_NUM_WARPS = 8
 # Warps and registers per thread of the loader partition (96: no spills).
@@ -484,31 +486,14 @@ if gluon is not None:
         thread) with their fp32 scales ``b_sg`` (``[rows, 1]``), exactly as the reference.
 
         Without ``POW2_SCALES``: fp8 unpack, f16 to f32, fp32 multiply, bf16 pack (3 instructions per
-        element). With ``POW2_SCALES`` (the caller promises power-of-two scales) the same numbers in 2: per
-        byte ``b`` the bf16 bits ``(b & 0x80) << 8 | (b & 0x7f) << 4`` are ``e4m3(b) * 2^-120`` exactly
-        (subnormals included), and one ``bf16x2`` multiply by ``bf16(scale * 2^120)`` is exact for a power
-        of two below ``2^8`` (from ``2^8`` on the factor overflows bf16). The bits come two bytes per 32-bit
-        register: ``prmt`` with sign replication makes each 16-bit half ``int16(int8(b))`` (the sign in bits
-        7-15), then ``(x << 4) & 0x87f0`` keeps the sign at bit 15 and the 7 magnitude bits at 4-10 (what the
-        shift carries from the low half into the high one lands in bits 16-19, which the mask clears).
+        element). With ``POW2_SCALES`` (the caller promises power-of-two scales below ``2^8``) the same numbers
+        in 2: integer bits of ``e4m3 * 2^-120`` and one ``bf16x2`` multiply by ``bf16(scale * 2^120)``
+        (``pow2_dequant_ptx``).
         """
         if POW2_SCALES:
             b_s16 = (b_sg * 1.329227995784916e36).to(gl.bfloat16)  # scale * 2^120
-            return gl.inline_asm_elementwise(
-                """
-                {
-                .reg .b32 a, b;
-                prmt.b32 a, $2, 0, 0x9180;
-                prmt.b32 b, $2, 0, 0xB3A2;
-                shl.b32 a, a, 4;
-                shl.b32 b, b, 4;
-                and.b32 a, a, 0x87F087F0;
-                and.b32 b, b, 0x87F087F0;
-                mul.rn.bf16x2 $0, a, $3;
-                mul.rn.bf16x2 $1, b, $4;
-                }
-                """,
-                "=r,=r,r,r,r", [b_raw, b_s16], dtype=gl.bfloat16, is_pure=True, pack=4)
+            return gl.inline_asm_elementwise(_POW2_DEQUANT_PTX, "=r,=r,r,r,r", [b_raw, b_s16], dtype=gl.bfloat16,
+                                             is_pure=True, pack=4)
         return (b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg).to(gl.bfloat16)
 
     @gluon.jit

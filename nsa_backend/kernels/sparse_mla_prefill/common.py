@@ -11,6 +11,30 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+def pow2_dequant_ptx(product: str) -> str:
+    """PTX of the power-of-two dequantisation of four e4m3 bytes (``$2``) into four bf16 (``$0``, ``$1``) with
+    their ``bf16(scale * 2^120)`` pairs (``$3``, ``$4``), for ``inline_asm_elementwise(..., pack=4)``.
+
+    Per byte ``b`` the bf16 bits ``(b & 0x80) << 8 | (b & 0x7f) << 4`` are ``e4m3(b) * 2^-120`` exactly
+    (subnormals and signed zeros included), so one bf16 product with ``bf16(scale * 2^120)`` is
+    ``bf16(e4m3 * scale)`` for a power-of-two scale below ``2^8`` (from ``2^8`` on the factor overflows bf16).
+    The bits come two bytes per 32-bit register: ``prmt`` with sign replication makes each 16-bit half
+    ``int16(int8(b))``, then ``(x << 4) & 0x87f0`` keeps the sign at bit 15 and the 7 magnitude bits at 4-10
+    (what the shift carries from the low half into the high one lands in bits 16-19, which the mask clears).
+    ``product``: ``"mul"`` (``mul.rn.bf16x2``, sm_90+) or ``"fma"`` (``fma.rn.bf16x2`` with ``-0.0``, sm_80+).
+    """
+    if product not in ("mul", "fma"):
+        raise ValueError(f"product: expected 'mul' or 'fma', got {product!r}")
+    if product == "mul":
+        regs, tail = "a, b", "mul.rn.bf16x2 $0, a, $3;\nmul.rn.bf16x2 $1, b, $4;"
+    else:
+        regs, tail = ("a, b, z", "mov.b32 z, 0x80008000;\nfma.rn.bf16x2 $0, a, $3, z;\nfma.rn.bf16x2 $1, b, $4, z;")
+    return ("{\n.reg .b32 " + regs + ";\n"
+            "prmt.b32 a, $2, 0, 0x9180;\nprmt.b32 b, $2, 0, 0xB3A2;\n"
+            "shl.b32 a, a, 4;\nshl.b32 b, b, 4;\n"
+            "and.b32 a, a, 0x87F087F0;\nand.b32 b, b, 0x87F087F0;\n" + tail + "\n}")
+
+
 def fp8_native(arch: int | None) -> bool:
     """Whether kernels use Triton's e4m3 type on ``sm_<arch>`` (``None``: the interpreter, yes)."""
     return arch is None or arch >= FP8_NATIVE_MIN_ARCH

@@ -49,10 +49,12 @@ import triton
 import triton.language as tl
 
 from nsa_backend import envs
+from nsa_backend.kernels.sparse_mla_prefill.common import pow2_dequant_ptx
 
 # The CPU interpreter (Triton 3.9) multiplies bf16 dot operands as raw integers: it gets fp32
 # operands instead, which is the same product (bf16 x bf16 is exact in fp32).
 _INTERPRET = tl.constexpr(envs.triton_interpret())
+_POW2_DEQUANT_PTX = tl.constexpr(pow2_dequant_ptx("fma"))
 
 
 @triton.jit
@@ -148,10 +150,28 @@ def _sparse_mla_shared(x):
 
 
 @triton.jit
-def _sparse_mla_dequant(b_raw, b_sc, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SHARE_KEYS: tl.constexpr):
+def _sparse_mla_pow2_dequant(b_raw, b_sc):
+    """``bf16(e4m3 * scale)`` of the e4m3 bytes ``b_raw`` [BN, 128] for power-of-two scales ``b_sc`` [BN] below
+    ``2^8``, the reference's numbers in 2 instructions per element (3 through the fp8 unit, more on sm_86): integer
+    bits of ``e4m3 * 2^-120`` and one ``bf16x2`` product with ``bf16(scale * 2^120)`` (``pow2_dequant_ptx``; ``fma``
+    with ``-0.0``, since ``mul.bf16x2`` needs sm_90)."""
+    b_s16 = tl.broadcast_to((b_sc * 1.329227995784916e36).to(tl.bfloat16)[:, None], b_raw.shape)  # scale * 2^120
+    return tl.inline_asm_elementwise(_POW2_DEQUANT_PTX, "=r,=r,r,r,r", [b_raw, b_s16], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _sparse_mla_dequant(b_raw, b_sc, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SHARE_KEYS: tl.constexpr,
+                        POW2_SCALES: tl.constexpr = False):
     """One raw latent group [BN, 128] -> bf16 keys: unchanged for the bf16 cache, ``bf16(e4m3 * scale)``
-    for the FP8 cache, exactly as the reference dequantises (``SHARE_KEYS``: once, for both MMAs)."""
+    for the FP8 cache, exactly as the reference dequantises (``SHARE_KEYS``: once, for both MMAs;
+    ``POW2_SCALES``: power-of-two scales, :func:`_sparse_mla_pow2_dequant`)."""
     if KV_FP8:
+        if POW2_SCALES and not _INTERPRET:
+            b_k = _sparse_mla_pow2_dequant(b_raw, b_sc)
+            if SHARE_KEYS:
+                b_k = _sparse_mla_shared(b_k)
+            return b_k
         if FP8_NATIVE:
             b_kf = b_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
@@ -169,12 +189,13 @@ def _sparse_mla_dequant(b_raw, b_sc, KV_FP8: tl.constexpr, FP8_NATIVE: tl.conste
 
 @triton.jit
 def _sparse_mla_values(b_k, p_row, m_n, b_sc, G: tl.constexpr, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr,
-                       REREAD_KEYS: tl.constexpr):
+                       REREAD_KEYS: tl.constexpr, POW2_SCALES: tl.constexpr):
     """Latent group ``G`` for ``P V``: ``b_k`` as converted for ``q K^T``, or with ``REREAD_KEYS`` the group's bytes
     read (:func:`_sparse_mla_group_again`) and converted again, so that no converted copy is held across the
     softmax."""
     if REREAD_KEYS:
-        return _sparse_mla_dequant(_sparse_mla_group_again(p_row, m_n, G), b_sc, KV_FP8, FP8_NATIVE, False)
+        return _sparse_mla_dequant(_sparse_mla_group_again(p_row, m_n, G), b_sc, KV_FP8, FP8_NATIVE, False,
+                                   POW2_SCALES)
     else:
         return b_k
 
@@ -210,6 +231,7 @@ def _sparse_mla_fwd_kernel(
     KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr,
     IDX_AHEAD: tl.constexpr, SHARE_KEYS: tl.constexpr, REREAD_KEYS: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_MAX: tl.constexpr,
+    POW2_SCALES: tl.constexpr = False,
 ):
     # The 512 latent dims are handled as four groups of 128 (the fp8_ds_mla scale groups): four
     # [BH, 128] accumulators and [BN, 128] key tiles keep the register footprint of a program small.
@@ -272,13 +294,16 @@ def _sparse_mla_fwd_kernel(
                 b_s = _sparse_mla_mma(b_qr, tl.trans(b_kr))
             else:
                 b_s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-            b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE, SHARE_KEYS)
+            b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE, SHARE_KEYS, POW2_SCALES)
             b_s += _sparse_mla_mma(b_q0, tl.trans(b_k0))
-            b_k1 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 1), s1, KV_FP8, FP8_NATIVE, SHARE_KEYS)
+            b_k1 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 1), s1, KV_FP8, FP8_NATIVE,
+                                        SHARE_KEYS, POW2_SCALES)
             b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
-            b_k2 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 2), s2, KV_FP8, FP8_NATIVE, SHARE_KEYS)
+            b_k2 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 2), s2, KV_FP8, FP8_NATIVE,
+                                        SHARE_KEYS, POW2_SCALES)
             b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
-            b_k3 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 3), s3, KV_FP8, FP8_NATIVE, SHARE_KEYS)
+            b_k3 = _sparse_mla_dequant(_sparse_mla_group(p_row, m_n, 3), s3, KV_FP8, FP8_NATIVE,
+                                        SHARE_KEYS, POW2_SCALES)
             b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
         else:
             # The whole key is loaded first (loading groups 1-3 later was 9-38% slower, docs/sparse_mla.md)
@@ -287,13 +312,13 @@ def _sparse_mla_fwd_kernel(
             r1 = _sparse_mla_group(p_row, m_n, 1)
             r2 = _sparse_mla_group(p_row, m_n, 2)
             r3 = _sparse_mla_group(p_row, m_n, 3)
-            b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE, False)
+            b_k0 = _sparse_mla_dequant(r0, s0, KV_FP8, FP8_NATIVE, False, POW2_SCALES)
             b_s = _sparse_mla_mma(b_q0, tl.trans(b_k0))
-            b_k1 = _sparse_mla_dequant(r1, s1, KV_FP8, FP8_NATIVE, False)
+            b_k1 = _sparse_mla_dequant(r1, s1, KV_FP8, FP8_NATIVE, False, POW2_SCALES)
             b_s += _sparse_mla_mma(b_q1, tl.trans(b_k1))
-            b_k2 = _sparse_mla_dequant(r2, s2, KV_FP8, FP8_NATIVE, False)
+            b_k2 = _sparse_mla_dequant(r2, s2, KV_FP8, FP8_NATIVE, False, POW2_SCALES)
             b_s += _sparse_mla_mma(b_q2, tl.trans(b_k2))
-            b_k3 = _sparse_mla_dequant(r3, s3, KV_FP8, FP8_NATIVE, False)
+            b_k3 = _sparse_mla_dequant(r3, s3, KV_FP8, FP8_NATIVE, False, POW2_SCALES)
             b_s += _sparse_mla_mma(b_q3, tl.trans(b_k3))
             if D_ROPE > 0:
                 # [BN, 64]
@@ -306,13 +331,17 @@ def _sparse_mla_fwd_kernel(
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_p16 = _sparse_mla_bf16(b_p)
         b_acc0 = b_acc0 * b_alpha[:, None] + _sparse_mla_mma(
-            b_p16, _sparse_mla_values(b_k0, p_row, m_n, s0, 0, KV_FP8, FP8_NATIVE, REREAD_KEYS))
+            b_p16, _sparse_mla_values(b_k0, p_row, m_n, s0, 0, KV_FP8, FP8_NATIVE, REREAD_KEYS,
+                              POW2_SCALES))
         b_acc1 = b_acc1 * b_alpha[:, None] + _sparse_mla_mma(
-            b_p16, _sparse_mla_values(b_k1, p_row, m_n, s1, 1, KV_FP8, FP8_NATIVE, REREAD_KEYS))
+            b_p16, _sparse_mla_values(b_k1, p_row, m_n, s1, 1, KV_FP8, FP8_NATIVE, REREAD_KEYS,
+                              POW2_SCALES))
         b_acc2 = b_acc2 * b_alpha[:, None] + _sparse_mla_mma(
-            b_p16, _sparse_mla_values(b_k2, p_row, m_n, s2, 2, KV_FP8, FP8_NATIVE, REREAD_KEYS))
+            b_p16, _sparse_mla_values(b_k2, p_row, m_n, s2, 2, KV_FP8, FP8_NATIVE, REREAD_KEYS,
+                              POW2_SCALES))
         b_acc3 = b_acc3 * b_alpha[:, None] + _sparse_mla_mma(
-            b_p16, _sparse_mla_values(b_k3, p_row, m_n, s3, 3, KV_FP8, FP8_NATIVE, REREAD_KEYS))
+            b_p16, _sparse_mla_values(b_k3, p_row, m_n, s3, 3, KV_FP8, FP8_NATIVE, REREAD_KEYS,
+                              POW2_SCALES))
         b_m = b_m_new
 
     m_empty = b_l == 0.0
