@@ -162,24 +162,22 @@ def _sparse_mla_pow2_dequant(b_raw, b_sc):
 
 @triton.jit
 def _sparse_mla_dequant(b_raw, b_sc, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SHARE_KEYS: tl.constexpr,
-                        POW2_SCALES: tl.constexpr = False):
+                        POW2_SCALES: tl.constexpr):
     """One raw latent group [BN, 128] -> bf16 keys: unchanged for the bf16 cache, ``bf16(e4m3 * scale)``
     for the FP8 cache, exactly as the reference dequantises (``SHARE_KEYS``: once, for both MMAs;
     ``POW2_SCALES``: power-of-two scales, :func:`_sparse_mla_pow2_dequant`)."""
     if KV_FP8:
         if POW2_SCALES and not _INTERPRET:
             b_k = _sparse_mla_pow2_dequant(b_raw, b_sc)
-            if SHARE_KEYS:
-                b_k = _sparse_mla_shared(b_k)
-            return b_k
-        if FP8_NATIVE:
-            b_kf = b_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
-            # e4m3 bits -> fp16 bits (value * 2^-8), exact for every e4m3 value
-            b_u = b_raw.to(tl.uint16)
-            b_kf = (((b_u & 0x80) << 8) | ((b_u & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
-            b_sc = b_sc * 256.0
-        b_k = _sparse_mla_bf16(b_kf * b_sc[:, None])
+            if FP8_NATIVE:
+                b_kf = b_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                # e4m3 bits -> fp16 bits (value * 2^-8), exact for every e4m3 value
+                b_u = b_raw.to(tl.uint16)
+                b_kf = (((b_u & 0x80) << 8) | ((b_u & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
+                b_sc = b_sc * 256.0
+            b_k = _sparse_mla_bf16(b_kf * b_sc[:, None])
         if SHARE_KEYS:
             b_k = _sparse_mla_shared(b_k)
         return b_k
@@ -332,16 +330,16 @@ def _sparse_mla_fwd_kernel(
         b_p16 = _sparse_mla_bf16(b_p)
         b_acc0 = b_acc0 * b_alpha[:, None] + _sparse_mla_mma(
             b_p16, _sparse_mla_values(b_k0, p_row, m_n, s0, 0, KV_FP8, FP8_NATIVE, REREAD_KEYS,
-                              POW2_SCALES))
+                                      POW2_SCALES))
         b_acc1 = b_acc1 * b_alpha[:, None] + _sparse_mla_mma(
             b_p16, _sparse_mla_values(b_k1, p_row, m_n, s1, 1, KV_FP8, FP8_NATIVE, REREAD_KEYS,
-                              POW2_SCALES))
+                                      POW2_SCALES))
         b_acc2 = b_acc2 * b_alpha[:, None] + _sparse_mla_mma(
             b_p16, _sparse_mla_values(b_k2, p_row, m_n, s2, 2, KV_FP8, FP8_NATIVE, REREAD_KEYS,
-                              POW2_SCALES))
+                                      POW2_SCALES))
         b_acc3 = b_acc3 * b_alpha[:, None] + _sparse_mla_mma(
             b_p16, _sparse_mla_values(b_k3, p_row, m_n, s3, 3, KV_FP8, FP8_NATIVE, REREAD_KEYS,
-                              POW2_SCALES))
+                                      POW2_SCALES))
         b_m = b_m_new
 
     m_empty = b_l == 0.0
