@@ -5,7 +5,8 @@ sm_100) GPU, ``nsa-backend bench --proxy sm120``
 
 - forces routing and the Triton launchers to the proxied arch (``NSA_BACKEND_FORCE_ARCH``): its
   launch configurations and its shared-memory budget (99 KiB per block on sm_120 / sm_121 / sm_86 /
-  sm_89, 163 KiB on sm_80), its kernels (no Gluon, no native package);
+  sm_89, 163 KiB on sm_80), its kernels (the Gluon kernels written for the proxied arch, which
+  route by the forced arch as the ``tl`` ones do; no sm_90 Gluon kernel, no native package);
 - disables Triton's Hopper MMA (``DISABLE_MMA_V3=1``), so ``tl.dot`` lowers to ``mma.sync``, the
   tensor-core instruction SM120 and SM8x have (no wgmma, no tcgen05);
 - gives every SM no more shared memory than an SM of the proxied arch holds (100 KiB on sm_120 / sm_121 /
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_backend import envs
+from nsa_backend._settings import env_switch
 from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, SHARED_MEMORY_PER_SM
 from nsa_backend.routing.config import reset_config
 
@@ -74,6 +76,7 @@ class ProxySettings:
     shared_memory_per_sm: int = 0
     carveout_percent: int = 0
     disable_mma_v3: bool = True
+    # Whether Gluon kernels may run (``NSA_BACKEND_GLUON`` not ``0``): only those written for the proxied arch route.
     gluon: bool = False
 
     def record(self) -> dict[str, Any]:
@@ -107,7 +110,7 @@ def check_gpu(capability: tuple[int, int] | None) -> None:
 def enable(arch: str, capability: tuple[int, int] | None) -> ProxySettings:
     """Set the process up as the proxy of ``arch``; call before any Triton kernel is compiled.
 
-    Sets ``DISABLE_MMA_V3=1``, ``NSA_BACKEND_FORCE_ARCH=arch``, ``NSA_BACKEND_GLUON=0``, a fresh
+    Sets ``DISABLE_MMA_V3=1``, ``NSA_BACKEND_FORCE_ARCH=arch``, a fresh
     ``TRITON_CACHE_DIR`` (so :func:`scan_sass` sees this run's kernels only) and :data:`PROXY_ENV`,
     drops routing decisions cached before and limits the shared memory per SM of every kernel loaded
     from now on (:func:`limit_shared_memory_per_sm`).
@@ -118,7 +121,6 @@ def enable(arch: str, capability: tuple[int, int] | None) -> ProxySettings:
     os.environ.update({
         "DISABLE_MMA_V3": "1",
         envs.FORCE_ARCH: arch,
-        envs.GLUON: "0",
         "TRITON_CACHE_DIR": cache_dir,
         PROXY_ENV: arch,
     })
@@ -128,7 +130,8 @@ def enable(arch: str, capability: tuple[int, int] | None) -> ProxySettings:
     percent = limit_shared_memory_per_sm(arch)
     return ProxySettings(arch=arch, capability=capability_number,
                          shared_memory_limit=SHARED_MEMORY_LIMIT[capability_number], triton_cache_dir=cache_dir,
-                         shared_memory_per_sm=SHARED_MEMORY_PER_SM[capability_number], carveout_percent=percent)
+                         shared_memory_per_sm=SHARED_MEMORY_PER_SM[capability_number], carveout_percent=percent,
+                         gluon=env_switch(envs.GLUON, True))
 
 
 def carveout_percent(per_sm: int, gpu_per_sm: int) -> int:
@@ -267,13 +270,20 @@ def scan_sass(cache_dir: str | os.PathLike[str], shared_memory_limit: int) -> di
     return {"ok": not problems, "problem": "; ".join(problems) or None, "kernels": kernels, "totals": totals}
 
 
+def gluon_text(settings: dict[str, Any]) -> str:
+    """How the run treated the Gluon kernels, for the result tables."""
+    if settings.get("gluon"):
+        return f"Gluon kernels of {settings['arch']} on (no sm_90 Gluon kernel routes)"
+    return "Gluon off"
+
+
 def sass_markdown(settings: dict[str, Any], sass: dict[str, Any]) -> str:
     """``sass.md``: the proxy's settings, the verdict and one line per compiled kernel."""
     t = sass["totals"]
     lines = [
         f"# SASS check of the {settings['arch']} proxy",
         "",
-        f"Settings: `DISABLE_MMA_V3=1`, routing forced to `{settings['arch']}`, Gluon off, shared memory "
+        f"Settings: `DISABLE_MMA_V3=1`, routing forced to `{settings['arch']}`, {gluon_text(settings)}, shared memory "
         f"budget {settings['shared_memory_limit']} B per block" + per_sm_text(settings) + ".",
         "",
         f"Verdict: **{'held' if sass['ok'] else 'broken'}**" + (f" ({sass['problem']})" if sass["problem"] else ""),

@@ -593,7 +593,7 @@ def _proxy_lines(prx: dict[str, Any] | None) -> list[str]:
     totals = sass.get("totals") or {}
     return [f"| proxy | {prx['arch']} on this GPU: `DISABLE_MMA_V3=1` (tl.dot as mma.sync), routing and launch "
             f"configurations of {prx['arch']}, {prx['shared_memory_limit']} B shared memory per block"
-            f"{proxy.per_sm_text(prx)}, Gluon and native packages off |",
+            f"{proxy.per_sm_text(prx)}, {proxy.gluon_text(prx)}, native packages off |",
             f"| SASS check | {verdict}; {totals.get('kernels', 0)} kernels, {totals.get('warp_mma', 0)} mma.sync and "
             f"{totals.get('warpgroup_mma', 0)} warpgroup MMA instructions (sass.md) |"]
 

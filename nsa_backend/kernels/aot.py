@@ -214,6 +214,11 @@ def _compile_logged(src: Any, target: Any, options: dict[str, Any]) -> tuple[Any
     return compiled, out.getvalue()
 
 
+def _is_gluon(fn: Any) -> bool:
+    """Whether ``fn`` is a ``@gluon.jit`` kernel (Triton's Gluon dialect)."""
+    return type(fn).__name__ == "GluonJITFunction"
+
+
 def compile_source(
     kernel: Any,
     signature: dict[str, str],
@@ -238,7 +243,10 @@ def compile_source(
         fn = fn.fn
     names = list(signature)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = ASTSource
+    if _is_gluon(fn):  # a Gluon kernel sets its layouts itself: its own source type lowers it
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps, "num_stages": num_stages, **(options or {})}
     compiled, log = _compile_logged(src, GPUTarget("cuda", arch, 32), opts)
     return compiled, log, fn

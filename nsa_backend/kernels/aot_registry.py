@@ -6,8 +6,9 @@ multiples of 16 (aligned pointers, strides). :func:`shipped_jobs` lists them per
 family; the ahead-of-time tests and ``python -m nsa_backend.kernels.aot_report`` (the committed
 registers / spills / shared-memory table) both compile from here.
 
-The sm_90-only Gluon kernels (``*_gluon*.py``) are not listed: they have no path on other archs and
-their own sm_90 compile checks.
+The mHC family also lists its Gluon kernel for the mma.sync archs (``mhc/sm80_gluon.py``) where this
+Triton has Gluon. The sm_90-only Gluon kernels (``sm90_gluon*.py``) are not listed: they have no path
+on other archs and their own sm_90 compile checks.
 """
 
 from __future__ import annotations

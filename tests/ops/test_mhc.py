@@ -142,6 +142,44 @@ def test_b_parts_route():
     assert not cfgs.uses_b_parts(32, 4096, None)  # CPU interpreter: the route of the public op stays the fp32 b
 
 
+@pytest.mark.parametrize("gluon_on", [True, False], ids=["gluon", "no-gluon"])
+@pytest.mark.parametrize("arch", TARGET_ARCHS)
+def test_gluon_parts_route(monkeypatch, arch, gluon_on):
+    """The stacked-parts GEMM is the Gluon kernel, with its own tile and K plan, exactly on the mma.sync
+    archs where Gluon may run; every other launch keeps the ``tl`` route."""
+    from nsa_backend.kernels import mhc as kern
+    from nsa_backend.kernels.mhc import sm80_gluon
+
+    monkeypatch.setattr(kern, "_arch_and_sms", lambda device: (arch, 132))
+    monkeypatch.setattr(sm80_gluon, "gluon_enabled", lambda a, archs: gluon_on and a in archs)
+    kern._plan.cache_clear()
+    try:
+        for m, n, k, splits in ((2048, 24, 28672, 1), (16384, 32, 7168, 4), (64, 24, 28672, 1), (4096, 128, 7168, 1)):
+            _, cfg, plan, b_parts, gluon = kern._plan(m, n, k, splits, None, gluon_on)
+            want = gluon_on and b_parts and arch in cfgs.GLUON_PARTS_ARCHS
+            assert gluon == want, (arch, m, n)
+            if gluon:
+                assert (cfg, plan[:2]) == (cfgs.GLUON_PARTS_ROUTE[0], kern.split_plan(
+                    m, n, k, splits, cfg.block_m, cfg.block_k, 132, cfgs.GLUON_PARTS_ROUTE[1])[:2])
+                assert plan[0] % cfg.block_k == 0 and plan[1] % cfg.block_k == 0
+            elif b_parts:
+                assert cfg == cfgs.parts_route(m, arch)[0]
+    finally:
+        kern._plan.cache_clear()
+
+
+def test_gluon_variants_shipped():
+    """The ahead-of-time variants hold the Gluon GEMM (chunks stored and added by atomics) exactly for the
+    mma.sync archs, where this Triton has Gluon."""
+    from nsa_backend.kernels import mhc as kern
+    from nsa_backend.kernels._gluon import gluon_importable
+
+    for arch in TARGET_ARCHS:
+        labels = [v.label for v in kern.shipped_variants(arch) if "gluon" in v.label]
+        want = 2 if arch in cfgs.GLUON_PARTS_ARCHS and gluon_importable() else 0
+        assert len(labels) == want, (arch, labels)
+
+
 def test_product_waited_for_only_where_it_is_asynchronous(monkeypatch):
     """``SYNC_MMA`` where tl.dot is asynchronous (wgmma on sm_90, tcgen05 on sm_100 / 103); not on the mma.sync
     archs, nor on sm_90 with Triton's Hopper MMA off (the proxy), nor in the interpreter; the ahead-of-time
@@ -497,3 +535,75 @@ def test_gpu_b_parts_path(m, n, k, splits, pdl, atomic_sums):
         graph.replay()
     torch.cuda.synchronize()
     assert same(d, d2) and same(sq, sq2)
+
+
+# The Gluon stacked-parts GEMM on its own (any sm_80+ GPU with Gluon; under the sm120 proxy the public op
+# routes to it as well): one chunk, chunks stored for the reduction kernel or added by atomics, splits with an
+# empty trailing one, M tails, N 17..32.
+GLUON_CASES = [(1024, 24, 28672, None), (999, 24, 7168, None), (4096, 32, 28672, 4), (16384, 24, 28672, None),
+               (65, 24, 28672, 16), (3001, 17, 7168, 1), (2048, 24, 28672, None), (1500, 32, 7168, 5),
+               (200, 24, 320 * 64, 7), (130, 24, 448, 7)]
+
+
+def _on_gluon_gpu() -> bool:
+    from nsa_backend.kernels._gluon import gluon_importable
+
+    return HAS_GPU and torch.cuda.get_device_capability()[0] >= 8 and gluon_importable()
+
+
+def _gluon_run(a, b, d, sq, splits, atomic_sums, plan=None):
+    from nsa_backend.kernels import mhc as kern
+
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    cfg, per_sm = cfgs.GLUON_PARTS_ROUTE
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    plan = plan or kern.split_plan(m, n, k, 1 if splits is None else splits, cfg.block_m, cfg.block_k, sms, per_sm)
+    _launch(a, b, d, sq, splits, cfg, plan, "bf16x2", b_parts=True, atomic_sums=atomic_sums, gluon=True)
+    return plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("atomic_sums", [False, True], ids=["sum-kernel", "atomic-sums"])
+@pytest.mark.parametrize("m,n,k,splits", GLUON_CASES)
+def test_gpu_gluon_parts_path(m, n, k, splits, atomic_sums):
+    """The Gluon GEMM with its shipped tile and K plan, eagerly and as a CUDA graph into NaN-filled outputs
+    (compared and repeated: bit-identical with the reduction kernel, equal to the fp32 rounding of the
+    additions with atomics)."""
+    if not _on_gluon_gpu():
+        pytest.skip("needs an sm_80+ GPU and a Triton with Gluon")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a, b, d, sq = _inputs(m, n, k, splits, "cuda")
+    plan = _gluon_run(a, b, d, sq, splits, atomic_sums)
+    _check(a, b, d, sq, splits, "bf16x2", (m, n, k, splits, plan, atomic_sums))
+
+    def same(x, y):
+        return torch.equal(x, y) if not atomic_sums else torch.allclose(x, y, rtol=1e-5, atol=1e-4)
+
+    d2, sq2 = torch.full_like(d, float("nan")), torch.full_like(sq, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _gluon_run(a, b, d2, sq2, splits, atomic_sums, plan)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert same(d, d2) and same(sq, sq2)
+
+
+@pytest.mark.gpu
+def test_gpu_fuzz_gluon_parts():
+    """300 shapes of the stacked-parts route (N 17..32, M 65..10000, splits) through the Gluon GEMM, its
+    chunks added by atomics as the public op adds them."""
+    if not _on_gluon_gpu():
+        pytest.skip("needs an sm_80+ GPU and a Triton with Gluon")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = random.Random(2468)
+    errs = []
+    for _ in range(FUZZ_CASES_B_PARTS):
+        m, n = round(2 ** rng.uniform(6.03, 13.3)), rng.choice([17, 24, 32])
+        k, splits = rng.choice([7168, 28672, 64 * rng.randint(1, 64)]), rng.choice([None, 1, 4, 16])
+        a, b, d, sq = _inputs(m, n, k, splits, "cuda")
+        _gluon_run(a, b, d, sq, splits, True)
+        errs.append(_check(a, b, d, sq, splits, "bf16x2", (m, n, k, splits)))
+    worst_d, worst_sq = max(e[0] for e in errs), max(e[1] for e in errs)
+    print(f"mhc Gluon stacked-parts fuzz: {len(errs)} cases, max error d {worst_d:.2e}, sqr_sum {worst_sq:.2e} "
+          "(of the output RMS)")

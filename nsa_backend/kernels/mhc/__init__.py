@@ -1,7 +1,8 @@
 """mHC pre-norm GEMM kernels: the launcher (:func:`tf32_hc_prenorm_gemm_triton`), its split plan and the
 ahead-of-time compile of the shipped configurations.
 
-:mod:`.portable` holds the ``tl`` kernels and describes the two paths (stacked ``b`` parts, in-loop split).
+:mod:`.portable` holds the ``tl`` kernels and describes the two paths (stacked ``b`` parts, in-loop split);
+:mod:`.sm80_gluon` the stacked-parts GEMM in Gluon that the mma.sync archs take where Gluon runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import triton
 from nsa_backend import envs
 from nsa_backend.configs import mhc as cfgs
 from nsa_backend.kernels._arch import device_arch, device_capability, device_sms
+from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
 from nsa_backend.kernels.aot import SHARED_MEMORY_LIMIT, compile_for_arch
+from nsa_backend.kernels.mhc import sm80_gluon
 from nsa_backend.kernels.mhc.portable import (
     _mhc_prenorm_gemm_kernel,
     _mhc_prenorm_reduce_kernel,
@@ -75,15 +78,22 @@ def split_plan(
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(m: int, n: int, k: int, num_splits: int, device_index: int | None
-          ) -> tuple[int, cfgs.GemmConfig, tuple[int, int, int], bool]:
-    """``(block_n, config, (split_k, chunk_k, num_chunks), b_parts)`` of the default precision."""
+def _plan(m: int, n: int, k: int, num_splits: int, device_index: int | None, gluon_on: bool = False
+          ) -> tuple[int, cfgs.GemmConfig, tuple[int, int, int], bool, bool]:
+    """``(block_n, config, (split_k, chunk_k, num_chunks), b_parts, gluon)`` of the default precision;
+    ``gluon_on``: the Gluon stacked-parts kernel may run on this device (``gluon``: it does)."""
     device = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
     arch, sms = _arch_and_sms(device)
     block_n, config = cfgs.gemm_config(n, m, arch)
     b_parts = cfgs.uses_b_parts(block_n, m, arch)
-    per_sm = cfgs.parts_route(m, arch)[1] if b_parts else cfgs.PROGRAMS_PER_SM
-    return block_n, config, split_plan(m, n, k, num_splits, config.block_m, config.block_k, sms, per_sm), b_parts
+    gluon = b_parts and gluon_on and arch in cfgs.GLUON_PARTS_ARCHS
+    if gluon:
+        config, per_sm = cfgs.GLUON_PARTS_ROUTE
+    else:
+        per_sm = cfgs.parts_route(m, arch)[1] if b_parts else cfgs.PROGRAMS_PER_SM
+    plan = split_plan(m, n, k, num_splits, config.block_m, config.block_k, sms, per_sm)
+    gluon = gluon and sm80_gluon.usable(arch, block_n, cfgs.PARTS_PRECISION, k, plan[0], plan[1], config.block_k)
+    return block_n, config, plan, b_parts, gluon
 
 
 @functools.cache
@@ -129,6 +139,7 @@ def _launch(
     pdl: bool = False,
     atomic_sums: bool = False,
     sync_mma: bool | None = None,
+    gluon: bool = False,
 ) -> None:
     """Launch the kernels for ``d [S, M, N]`` and ``sqr_sum [S, M]`` (``S = num_splits``).
 
@@ -140,7 +151,9 @@ def _launch(
     are launched with programmatic dependent launch: each starts while the kernel before it runs and
     waits for it in-kernel, which hides the launch gaps between them. ``sync_mma`` (stacked parts): wait
     for each step's product in its step; ``None`` decides by what ``tl.dot`` lowers to on this GPU
-    (:func:`nsa_backend.configs.mhc.sync_mma`).
+    (:func:`nsa_backend.configs.mhc.sync_mma`). ``gluon`` (stacked ``bf16x2`` parts, K ranges in whole
+    ``config.block_k`` steps: :func:`nsa_backend.kernels.mhc.sm80_gluon.usable`): the GEMM is the Gluon
+    kernel, launched without programmatic dependent launch.
     """
     M, K = a.shape
     N = b.shape[0]
@@ -156,14 +169,23 @@ def _launch(
         out_d, out_sq, stride_dt, stride_st = ws, ws[:, M * N:], M * N + M, M * N + M
     if sync_mma is None:
         sync_mma = cfgs.sync_mma(device_capability(a.device), envs.triton_mma_v3_disabled())
+    gluon = gluon and b_parts and precision == "bf16x2"
+    pdl = pdl and not gluon
     b_in = _split_b(b, precision, pdl, (d, sqr_sum) if atomic_sums else None) if b_parts else b
     grid = (triton.cdiv(M, config.block_m), slots)
-    _mhc_prenorm_gemm_kernel[grid](
-        a, b_in, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
-        BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, PRECISION=precision, B_PARTS=b_parts,
-        SQ_2D=b_parts, USE_PDL=pdl, LATE_DEPENDENTS=cfgs.LATE_DEPENDENTS, ATOMIC_SUMS=atomic_sums, SYNC_MMA=sync_mma,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
-    )
+    if gluon:
+        sm80_gluon.kernel()[grid](
+            a, b_in, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
+            BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
+            NUM_WARPS=config.num_warps, ATOMIC_SUMS=atomic_sums, num_warps=config.num_warps,
+        )
+    else:
+        _mhc_prenorm_gemm_kernel[grid](
+            a, b_in, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
+            BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, PRECISION=precision, B_PARTS=b_parts,
+            SQ_2D=b_parts, USE_PDL=pdl, LATE_DEPENDENTS=cfgs.LATE_DEPENDENTS, ATOMIC_SUMS=atomic_sums,
+            SYNC_MMA=sync_mma, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        )
     if num_chunks > 1 and not atomic_sums:
         block_j, block = cfgs.reduce_blocks(num_chunks)
         grid = (triton.cdiv(M * N + M, block), num_splits)
@@ -229,11 +251,13 @@ def tf32_hc_prenorm_gemm_triton(
     index = None
     if a.device.type == "cuda":
         index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    block_n, config, plan, b_parts = _plan(M, N, K, splits, index)
+    arch = device_arch(a.device) if index is not None else None
+    block_n, config, plan, b_parts, gluon = _plan(M, N, K, splits, index,
+                                                  gluon_enabled(arch, cfgs.GLUON_PARTS_ARCHS))
     precision = cfgs.PARTS_PRECISION if b_parts else cfgs.DEFAULT_PRECISION
-    pdl = b_parts and index is not None and _pdl_enabled(device_arch(a.device))
+    pdl = b_parts and index is not None and _pdl_enabled(arch)
     atomic_sums = cfgs.ATOMIC_CHUNK_SUMS and not torch.are_deterministic_algorithms_enabled()
-    _launch(a, b, d, sqr_sum, splits, block_n, config, plan, precision, b_parts, pdl, atomic_sums)
+    _launch(a, b, d, sqr_sum, splits, block_n, config, plan, precision, b_parts, pdl, atomic_sums, gluon=gluon)
 
 
 _GEMM_SIGNATURE: dict[str, str] = {
@@ -249,6 +273,12 @@ _SPLIT_B_SIGNATURE: dict[str, str] = {
     "SQ_NUMEL": "i32", "NUM_PARTS": "constexpr", "BLOCK": "constexpr", "USE_PDL": "constexpr",
     "ZERO_OUT": "constexpr",
 }
+_GLUON_GEMM_SIGNATURE: dict[str, str] = {
+    "a_ptr": "*bf16", "bp_ptr": "*bf16", "d_ptr": "*fp32", "sq_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+    "SPLIT_K": "i32", "CHUNK_K": "i32", "NUM_CHUNKS": "i32", "stride_dt": "i32", "stride_st": "i32",
+    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "NUM_STAGES": "constexpr",
+    "NUM_WARPS": "constexpr", "ATOMIC_SUMS": "constexpr",
+}
 _REDUCE_SIGNATURE: dict[str, str] = {
     "ws_ptr": "*fp32", "d_ptr": "*fp32", "sq_ptr": "*fp32", "M": "i32", "N": "i32", "NUM_CHUNKS": "i32",
     "BLOCK": "constexpr", "BLOCK_J": "constexpr", "USE_PDL": "constexpr",
@@ -259,6 +289,7 @@ _REDUCE_SIGNATURE: dict[str, str] = {
 # multiples of 64): the ahead-of-time compile uses the same hints, so loads are vectorised and
 # pipelined through shared memory as in the real launch, and the shared-memory figure is the real one.
 _GEMM_DIVISIBLE: tuple[str, ...] = ("a_ptr", "b_ptr", "d_ptr", "sq_ptr", "K", "SPLIT_K", "CHUNK_K")
+_GLUON_GEMM_DIVISIBLE: tuple[str, ...] = ("a_ptr", "bp_ptr", "d_ptr", "sq_ptr", "K", "SPLIT_K", "CHUNK_K")
 _SPLIT_B_DIVISIBLE: tuple[str, ...] = ("b_ptr", "bp_ptr", "NK", "d_ptr", "sq_ptr")
 _REDUCE_DIVISIBLE: tuple[str, ...] = ("ws_ptr", "d_ptr", "sq_ptr")
 
@@ -312,7 +343,8 @@ def shipped_variants(arch: int) -> list[Variant]:
     The in-loop path's default precision with every configuration, the other precisions with the
     widest N tile (the most shared memory); the stacked-parts path with its precision and launch
     (``PARTS_PRECISION``, ``PDL_ARCHS``), its chunks stored or added by atomics; each tile in every
-    ``EVEN_K`` variant it can launch (:func:`even_k_variants`).
+    ``EVEN_K`` variant it can launch (:func:`even_k_variants`); on ``GLUON_PARTS_ARCHS``, where this
+    Triton has Gluon, the Gluon stacked-parts GEMM with its chunks stored or added by atomics.
     """
     out = []
     shipped = cfgs.shipped_configs(arch)
@@ -333,6 +365,15 @@ def shipped_variants(arch: int) -> list[Variant]:
                     out.append(Variant("gemm", label, _mhc_prenorm_gemm_kernel, signature, _GEMM_DIVISIBLE,
                                        constexprs, cfg.num_warps, cfg.num_stages))
     parts = any(b_parts for _, _, b_parts in shipped)
+    if parts and arch in cfgs.GLUON_PARTS_ARCHS and cfgs.PARTS_PRECISION == "bf16x2" and gluon_importable():
+        cfg = cfgs.GLUON_PARTS_ROUTE[0]
+        for atomic_sums in sorted({False, cfgs.ATOMIC_CHUNK_SUMS}):
+            constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfgs.PARTS_BLOCK_N, "BLOCK_K": cfg.block_k,
+                          "NUM_STAGES": cfg.num_stages, "NUM_WARPS": cfg.num_warps, "ATOMIC_SUMS": atomic_sums}
+            label = (f"BLOCK_N={cfgs.PARTS_BLOCK_N} BLOCK_M={cfg.block_m} BLOCK_K={cfg.block_k} bf16x2 parts gluon"
+                     f"{' atomic' if atomic_sums else ''} warps={cfg.num_warps} stages={cfg.num_stages}")
+            out.append(Variant("gemm", label, sm80_gluon.kernel(), _GLUON_GEMM_SIGNATURE, _GLUON_GEMM_DIVISIBLE,
+                               constexprs, cfg.num_warps, cfg.num_stages))
     if parts:
         for zero_out in sorted({False, cfgs.ATOMIC_CHUNK_SUMS}):
             constexprs = {"NUM_PARTS": _num_parts(cfgs.PARTS_PRECISION), "BLOCK": cfgs.SPLIT_B_BLOCK,
