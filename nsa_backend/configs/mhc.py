@@ -176,13 +176,19 @@ PARTS_ROUTES: tuple[tuple[int, GemmConfig, int], ...] = (
 PARTS_ROUTES_MMA_SYNC: tuple[tuple[int, GemmConfig, int], ...] = ((1 << 62, GemmConfig(128, 32, 8, 4), 2),)
 # The mma.sync archs with Gluon (Triton >= 3.6, NSA_BACKEND_GLUON not 0) take the stacked-parts GEMM written in
 # Gluon (nsa_backend/kernels/mhc/sm80_gluon.py: swizzled buffers, square sums from the MMA operand registers) with
-# this tile and programs per SM: 128 x 64 per step, 8 warps, 4 buffers (96 KiB), one program per SM. Under the
-# sm120 proxy on an H100 (graph, N = 24, K = 28672, same run) it read a at 0.570 / 0.692 / 0.792 / 0.856 / 0.887
-# of the copy rate at M = 1024 / 2048 / 4096 / 8192 / 16384 against 0.477 / 0.516 / 0.552 / 0.584 / 0.606 for the
-# tl tile of PARTS_ROUTES_MMA_SYNC. Also measured there: 4 warps (equal), 64-row tiles at 3 buffers and 2 per SM
-# (0.574-0.859), 2 buffers at 2 per SM (0.539-0.844), 32-column steps (0.484-0.687 with 6 or 8 buffers).
+# this tile and programs per SM: 128 x 64 per step, 8 warps, 4 buffers (96 KiB), one program per SM. The suite
+# under the sm120 proxy on an H100 (graph, N = 24, K = 28672): a read at 0.566 / 0.689 / 0.788 / 0.855 / 0.883 of
+# the copy rate at M = 1024 / 2048 / 4096 / 8192 / 16384, against 0.463 / 0.514 / 0.548 / 0.588 / 0.598 for the
+# tl tile of PARTS_ROUTES_MMA_SYNC. In a sweep on the same machine 4 warps did as well, 64-row tiles at 3 buffers
+# and 2 per SM reached 0.574-0.859, 2 buffers at 2 per SM 0.539-0.844, 32-column steps 0.484-0.687 (6 or 8
+# buffers).
 GLUON_PARTS_ARCHS: tuple[int, ...] = (80, 86, 89, 120, 121)
 GLUON_PARTS_ROUTE: tuple[GemmConfig, int] = (GemmConfig(128, 64, 8, 4), 1)
+# Registers per thread the Gluon GEMM may use (ptxas's maxnreg). Left to itself ptxas stops at 128 for the variant
+# that stores its chunks (one chunk, or torch's deterministic mode) and spills 16-20 B, 2 local accesses per step in
+# the loop on sm_80 / 86; with 160 it takes 146-154 and spills nothing on any arch (ahead of time). One program per
+# SM holds 256 threads, so registers do not limit it.
+GLUON_PARTS_MAX_REGS = 160
 # Archs of the stacked-parts path, each with its routes.
 PARTS_ARCH_ROUTES: dict[int, tuple[tuple[int, GemmConfig, int], ...]] = {
     90: PARTS_ROUTES, **dict.fromkeys((80, 86, 89, 120, 121), PARTS_ROUTES_MMA_SYNC)}

@@ -334,7 +334,7 @@ def mhc_jobs(arch: int) -> list[AotJob]:
     """The pre-norm GEMM, split-b and reduce kernels as :func:`nsa_backend.kernels.mhc.compile_shipped`
     compiles them (:func:`nsa_backend.kernels.mhc.shipped_variants`, with their readable labels)."""
     return [AotJob("mhc", v.kind, v.label, arch, v.kernel, v.signature, v.constexprs, v.num_warps, v.num_stages,
-                   v.aligned) for v in mhc.shipped_variants(arch)]
+                   v.aligned, dict(v.options or {})) for v in mhc.shipped_variants(arch)]
 
 
 def indexer_fp4_jobs(arch: int) -> list[AotJob]:

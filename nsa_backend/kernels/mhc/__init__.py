@@ -178,6 +178,7 @@ def _launch(
             a, b_in, out_d, out_sq, M, N, K, split_k, chunk_k, num_chunks, stride_dt, stride_st,
             BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
             NUM_WARPS=config.num_warps, ATOMIC_SUMS=atomic_sums, num_warps=config.num_warps,
+            maxnreg=cfgs.GLUON_PARTS_MAX_REGS,
         )
     else:
         _mhc_prenorm_gemm_kernel[grid](
@@ -295,8 +296,9 @@ _REDUCE_DIVISIBLE: tuple[str, ...] = ("ws_ptr", "d_ptr", "sq_ptr")
 
 
 def _compile(kernel: Any, signature: dict[str, str], divisible: tuple[str, ...], constexprs: dict[str, Any],
-             arch: int, num_warps: int, num_stages: int) -> Any:
-    return compile_for_arch(kernel, signature, constexprs, arch, num_warps, num_stages, aligned=divisible)
+             arch: int, num_warps: int, num_stages: int, options: dict[str, Any] | None = None) -> Any:
+    return compile_for_arch(kernel, signature, constexprs, arch, num_warps, num_stages, aligned=divisible,
+                            options=options)
 
 
 def even_k_variants(block_k: int) -> tuple[bool, ...]:
@@ -335,6 +337,7 @@ class Variant(NamedTuple):
     constexprs: dict[str, Any]
     num_warps: int
     num_stages: int
+    options: dict[str, Any] | None = None  # further compile options the launcher passes (maxnreg)
 
 
 def shipped_variants(arch: int) -> list[Variant]:
@@ -373,7 +376,7 @@ def shipped_variants(arch: int) -> list[Variant]:
             label = (f"BLOCK_N={cfgs.PARTS_BLOCK_N} BLOCK_M={cfg.block_m} BLOCK_K={cfg.block_k} bf16x2 parts gluon"
                      f"{' atomic' if atomic_sums else ''} warps={cfg.num_warps} stages={cfg.num_stages}")
             out.append(Variant("gemm", label, sm80_gluon.kernel(), _GLUON_GEMM_SIGNATURE, _GLUON_GEMM_DIVISIBLE,
-                               constexprs, cfg.num_warps, cfg.num_stages))
+                               constexprs, cfg.num_warps, cfg.num_stages, {"maxnreg": cfgs.GLUON_PARTS_MAX_REGS}))
     if parts:
         for zero_out in sorted({False, cfgs.ATOMIC_CHUNK_SUMS}):
             constexprs = {"NUM_PARTS": _num_parts(cfgs.PARTS_PRECISION), "BLOCK": cfgs.SPLIT_B_BLOCK,
@@ -393,5 +396,5 @@ def compile_shipped(arch: int) -> list[Any]:
     ahead of time. Returns one :class:`nsa_backend.kernels.aot.CompiledKernel` per compilation; needs
     ``TRITON_INTERPRET`` unset.
     """
-    return [_compile(v.kernel, v.signature, v.aligned, v.constexprs, arch, v.num_warps, v.num_stages)
+    return [_compile(v.kernel, v.signature, v.aligned, v.constexprs, arch, v.num_warps, v.num_stages, v.options)
             for v in shipped_variants(arch)]

@@ -127,10 +127,9 @@ if gluon is not None:
                                  m_a, o_b, m_b, o_k, k_lo + j * BLOCK_K, j < n_steps)
             b_a = a_smem.index(i % NUM_STAGES).load(OP_A)  # [BLOCK_M, BLOCK_K]
             b_parts = b_smem.index(i % NUM_STAGES)
-            b_hi = b_parts.slice(0, BLOCK_N, dim=0).permute((1, 0)).load(OP_B)  # [BLOCK_K, BLOCK_N]
-            b_lo = b_parts.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)).load(OP_B)
-            b_hi_acc = mma_v2(b_a, b_hi, b_hi_acc)
-            b_lo_acc = mma_v2(b_a, b_lo, b_lo_acc)
+            # one part's operand live at a time: [BLOCK_K, BLOCK_N] each
+            b_hi_acc = mma_v2(b_a, b_parts.slice(0, BLOCK_N, dim=0).permute((1, 0)).load(OP_B), b_hi_acc)
+            b_lo_acc = mma_v2(b_a, b_parts.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)).load(OP_B), b_lo_acc)
             b_af = b_a.to(gl.float32)
             b_sq2 += b_af * b_af
         async_copy.wait_group(0)
