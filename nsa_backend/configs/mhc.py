@@ -177,7 +177,7 @@ PARTS_ROUTES_MMA_SYNC: tuple[tuple[int, GemmConfig, int], ...] = ((1 << 62, Gemm
 # The mma.sync archs with Gluon (Triton >= 3.6, NSA_BACKEND_GLUON not 0) take the stacked-parts GEMM written in
 # Gluon (nsa_backend/kernels/mhc/sm80_gluon.py: swizzled buffers, square sums from the MMA operand registers) with
 # this tile and programs per SM: 128 x 64 per step, 8 warps, 4 buffers (96 KiB), one program per SM. The suite
-# under the sm120 proxy on an H100 (graph, N = 24, K = 28672): a read at 0.566 / 0.689 / 0.788 / 0.855 / 0.883 of
+# under the sm120 proxy on an H100 (graph, N = 24, K = 28672): a read at 0.566 / 0.694 / 0.790 / 0.848 / 0.882 of
 # the copy rate at M = 1024 / 2048 / 4096 / 8192 / 16384, against 0.463 / 0.514 / 0.548 / 0.588 / 0.598 for the
 # tl tile of PARTS_ROUTES_MMA_SYNC. In a sweep on the same machine 4 warps did as well, 64-row tiles at 3 buffers
 # and 2 per SM reached 0.574-0.859, 2 buffers at 2 per SM 0.539-0.844, 32-column steps 0.484-0.687 (6 or 8
