@@ -191,7 +191,7 @@ def test_product_waited_for_only_where_it_is_asynchronous(monkeypatch):
     assert [cfgs.sync_mma(c) for c in (90, 100, 103)] == [True] * 3
     assert not cfgs.sync_mma(90, mma_v3_disabled=True) and cfgs.sync_mma(100, mma_v3_disabled=True)
     for arch in TARGET_ARCHS:
-        parts = [v for v in kern.shipped_variants(arch) if v.kind == "gemm" and v.constexprs["B_PARTS"]]
+        parts = [v for v in kern.shipped_variants(arch) if v.kind == "gemm" and v.constexprs.get("B_PARTS")]
         assert all(v.constexprs["SYNC_MMA"] == cfgs.sync_mma(arch) for v in parts), arch
     for value, disabled in (("1", True), ("on", True), ("TRUE", True), ("0", False), ("", False)):
         monkeypatch.setenv("DISABLE_MMA_V3", value)
@@ -248,7 +248,7 @@ def test_atomic_sums_follow_deterministic_mode(monkeypatch):
     from nsa_backend.kernels import mhc as kern
 
     seen = []
-    monkeypatch.setattr(kern, "_launch", lambda *args: seen.append(args[-1]))
+    monkeypatch.setattr(kern, "_launch", lambda *args, **kwargs: seen.append(args[-1]))
     a, b, d, sq = _inputs(8, 24, 128, None)
     before = torch.are_deterministic_algorithms_enabled()
     try:
