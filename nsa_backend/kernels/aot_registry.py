@@ -6,9 +6,9 @@ multiples of 16 (aligned pointers, strides). :func:`shipped_jobs` lists them per
 family; the ahead-of-time tests and ``python -m nsa_backend.kernels.aot_report`` (the committed
 registers / spills / shared-memory table) both compile from here.
 
-The mHC family also lists its Gluon kernel for the mma.sync archs (``mhc/sm80_gluon.py``) where this
-Triton has Gluon. The sm_90-only Gluon kernels (``sm90_gluon*.py``) are not listed: they have no path
-on other archs and their own sm_90 compile checks.
+The mHC and indexer families also list their Gluon kernels for the mma.sync archs (``mhc/sm80_gluon.py``,
+``indexer/sm89_gluon_paged.py``) where this Triton has Gluon. The sm_90-only Gluon kernels
+(``sm90_gluon*.py``) are not listed: they have no path on other archs and their own sm_90 compile checks.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from nsa_backend.configs import indexer as cfg_indexer
 from nsa_backend.configs import sparse_mla as cfg_sparse_mla
 from nsa_backend.configs import topk as cfg_topk
 from nsa_backend.kernels import mhc, slots
+from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels.aot import FP8_NATIVE_MIN_ARCH, CompiledKernel, compile_for_arch, compile_source
 from nsa_backend.kernels.fp8_ds_mla import v4 as fp8_ds_mla_v4
 from nsa_backend.kernels.fp8_ds_mla import v32 as fp8_ds_mla
 from nsa_backend.kernels.indexer import fp4 as indexer_fp4
 from nsa_backend.kernels.indexer import portable as indexer
+from nsa_backend.kernels.indexer import sm89_gluon_paged as mma_v2_paged
 from nsa_backend.kernels.sparse_mla_decode import merge as decode_merge
 from nsa_backend.kernels.sparse_mla_decode import v4 as sparse_mla_v4_decode
 from nsa_backend.kernels.sparse_mla_prefill import portable as sparse_mla_prefill
@@ -138,6 +140,17 @@ def indexer_jobs(arch: int, largest_only: bool = False) -> list[AotJob]:
         jobs.append(AotJob("indexer", "paged", f"HP={hp} next_n={_next_n} D={d} {cfg}", arch,
                            indexer._indexer_paged_logits_kernel, _constexpr(sig, cx), cx, cfg.num_warps,
                            cfg.num_stages, _INDEXER_PAGED_ALIGNED, _reg_cap(cfg.max_regs)))
+    if arch in cfg_indexer.PAGED_MMA_V2_ARCHS and gluon_importable() and not largest_only:
+        sig = dict(q_ptr="*fp8e4nv", kv_ptr="*u8", w_ptr="*fp32", ctx_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32",
+                   H="i32", max_ctx="i32", num_pages="i32", max_blocks="i32", stride_bt="i32", stride_page="i32",
+                   stride_out="i32", next_n="i32", chunk="i32")
+        for hp in sorted({cfg_indexer.padded_heads(h) for h in cfg_indexer.PAGED_MMA_V2_HEADS}):
+            for ctx_2d in (False, True):
+                cx = dict(D=mma_v2_paged.HEAD_DIM, HP=hp, PAGE=mma_v2_paged.PAGE,
+                          STAGES=cfg_indexer.PAGED_MMA_V2.num_stages, CTX_2D=ctx_2d, NUM_WARPS=mma_v2_paged.NUM_WARPS)
+                jobs.append(AotJob("indexer", "paged_gluon", f"HP={hp} next_n=1 D=128 ctx_2d={ctx_2d} mma_v2", arch,
+                                   mma_v2_paged.kernel(), _constexpr(sig, cx), cx, mma_v2_paged.NUM_WARPS, 1,
+                                   _INDEXER_PAGED_ALIGNED))
     sig = dict(ctx_ptr="*i32", out_ptr="*i32", B="i32", ctx_stride="i32", ctx_offset="i32", num_sms="i32")
     cx = dict(SPLIT=256, BLOCK_B=1024, BLOCK_SM=16)
     jobs.append(AotJob("indexer", "schedule", "BLOCK_B=1024", arch, indexer._indexer_paged_schedule_kernel,

@@ -6,6 +6,8 @@ Variants (one module each):
   architecture and the CPU interpreter;
 - :mod:`.sm90_gluon_paged`: the paged logits as a Gluon kernel on sm_90 (taken by
   :func:`fp8_paged_mqa_logits_triton` where its ``supported`` accepts the call);
+- :mod:`.sm89_gluon_paged`: the paged logits of one query row as a Gluon mma.sync kernel on sm_89 / 120 / 121
+  (likewise);
 - :mod:`.fp4`: the DeepSeek-V4 indexer over an MXFP4 key cache (``tl``, every architecture).
 """
 
@@ -17,6 +19,7 @@ import triton
 from nsa_backend.configs import indexer as cfgs
 from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._launch import CachedLauncher, cdiv
+from nsa_backend.kernels.indexer import sm89_gluon_paged as mma_v2_paged
 from nsa_backend.kernels.indexer import sm90_gluon_paged as gluon_paged
 from nsa_backend.kernels.indexer.fp4 import fp8_fp4_mqa_logits_triton, fp8_fp4_paged_mqa_logits_triton
 from nsa_backend.kernels.indexer.portable import (
@@ -184,7 +187,9 @@ def fp8_paged_mqa_logits_triton(
         Launch configuration overriding ``nsa_backend.configs.indexer.paged_config``.
     chunk : int, optional
         Keys per program overriding ``nsa_backend.configs.indexer.paged_chunk``. Without ``config``
-        and ``chunk``, calls that ``nsa_backend.kernels.indexer.sm90_gluon_paged.supported`` accepts
+        and ``chunk``, calls that ``nsa_backend.kernels.indexer.sm89_gluon_paged.supported`` accepts (sm_89 / 120
+        / 121 with Gluon, ``next_n`` 1, 17..64 heads) run that Gluon kernel, and calls that
+        ``nsa_backend.kernels.indexer.sm90_gluon_paged.supported`` accepts
         (sm_90, ``D`` 128, pages of 64 keys, the ``next_n`` and head counts of the Gluon tables in
         ``nsa_backend.configs.indexer``) run the Gluon kernel instead.
 
@@ -198,6 +203,9 @@ def fp8_paged_mqa_logits_triton(
         kv_cache = kv_cache.unsqueeze(2)
     arch = device_arch(q.device)
     if config is None and chunk is None and arch is not None:
+        if mma_v2_paged.supported(q, kv_cache, arch):
+            return mma_v2_paged.fp8_paged_mqa_logits_mma_v2(q, kv_cache, weights, context_lens, block_table,
+                                                            max_context_len)
         if gluon_paged.supported(q, kv_cache, arch):
             return gluon_paged.fp8_paged_mqa_logits_gluon(q, kv_cache, weights, context_lens, block_table,
                                                           max_context_len)

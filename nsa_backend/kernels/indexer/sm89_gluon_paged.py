@@ -1,0 +1,212 @@
+"""Gluon paged indexer logits for the mma.sync archs with e4m3 (sm_89 / 120 / 121): one query row per request.
+
+:func:`fp8_paged_mqa_logits_mma_v2` computes :func:`nsa_backend.fp8_paged_mqa_logits` for ``next_n = 1``,
+``D = 128``, 17..64 heads (padded to 32 or 64) and pages of 64 keys; the launcher
+``nsa_backend.kernels.indexer.fp8_paged_mqa_logits_triton`` calls it where :func:`supported` says so
+(``configs.indexer.PAGED_MMA_V2_ARCHS`` / ``PAGED_MMA_V2_HEADS``) and keeps the ``tl`` kernel otherwise.
+
+    logits[t] = k_scale[t] * sum_h relu(q[h] . k[t]) * w[h]
+
+A program handles one request and one chunk of its keys, one page (64 keys) per tile, with four warps:
+
+- the request's ``q`` ``[HP, 128]`` is converted once to fp16 and loaded into the registers of the MMA's
+  ``B`` operand (``q^T``), where it stays for the whole chunk: no shared-memory read of ``q`` per tile (in
+  the ``tl`` kernel ``q`` is read from shared memory by every tile's product);
+- the key pages ``[64, 128]`` e4m3 and their 64 fp32 scales come by ``cp.async`` into a ring of
+  ``STAGES`` swizzled buffers, ``STAGES - 1`` pages ahead;
+- per page each warp takes 16 keys (``S^T = K q^T``, keys on the M side): its keys are converted to fp16
+  in registers and multiplied (``mma_v2``), so the head sum of ``relu(s) w`` stays inside each thread and
+  its quad; the scale is applied after the sum, as in the reference.
+
+The products run in fp16 on converted keys, also where the tensor cores take e4m3: exact (every e4m3
+value and every fp8 ``q`` is an fp16 value, products and sums in fp32).
+
+The window of a request (``context_lens`` 1-D or 2-D, the block table's length, ``max_context_len``), the
+copies (a page id outside the cache reads page 0 and its keys are ``-inf``), the epilogue and the ``-inf``
+fill of keys no row sees are those of the sm_90 kernel's ``cp.async`` path (:mod:`.sm90_gluon_paged`).
+
+Only the archs of ``PAGED_MMA_V2_ARCHS`` with Triton's Gluon dialect (``nsa_backend.kernels._gluon``) run
+this kernel; under the sm120 proxy an sm_90 GPU runs it for them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from nsa_backend.configs import indexer as cfgs
+from nsa_backend.kernels._arch import device_sms
+from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
+from nsa_backend.kernels.indexer import sm90_gluon_paged as sm90
+
+PAGE = 64
+HEAD_DIM = 128
+NUM_WARPS = 4
+
+if gluon_importable():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    from nsa_backend.kernels._gluon import cta_barrier
+else:  # pragma: no cover - the kernel is never launched without Gluon
+    gluon = None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _indexer_paged_mma_v2_kernel(
+        q_ptr, kv_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
+        H, max_ctx, num_pages, max_blocks, stride_bt, stride_page, stride_out, next_n, chunk,
+        D: gl.constexpr, HP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CTX_2D: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+    ):
+        gl.static_assert(STAGES >= 2)
+        # S^T [PAGE, HP]: 16 keys per warp on the M side, the heads on N inside each warp
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        L_K: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+        L_SC: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        # rows of 128 bytes in 16-byte vectors, swizzled over the eight 16-byte bank groups
+        K_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+        Q_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        SC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL: gl.constexpr = gl.SliceLayout(0, MMA)
+
+        i_b = gl.program_id(0)
+        i_c = gl.program_id(1)
+        vis, _, c0, c1, n_tiles = sm90._indexer_paged_gluon_window(ctx_ptr, i_b, i_c, next_n, max_ctx, max_blocks,
+                                                                   chunk, 1, PAGE, CTX_2D)
+
+        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D], K_SL)
+        sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, PAGE], SC_SL)
+        p_bt = bt_ptr + i_b.to(gl.int64) * stride_bt
+        tile0 = c0 // PAGE
+        last = max_blocks - 1
+        # the first STAGES - 1 pages in flight (one cp.async group each; pages past the chunk read nothing)
+        for t in gl.static_range(STAGES - 1):
+            i_pg = gl.load(p_bt + gl.minimum(tile0 + t, last))
+            sm90._indexer_paged_gluon_load(kv_ptr, None, None, k_smem.index(t), sc_smem.index(t), None, i_pg,
+                                           t < n_tiles, num_pages, stride_page, 0, PAGE, D, False, L_K, L_SC)
+
+        # q^T [D, HP] as fp16 in the B operand's registers (heads past H zero), the weights [HP]
+        o_h = gl.arange(0, HP, layout=gl.SliceLayout(1, L_K))
+        o_d = gl.arange(0, D, layout=gl.SliceLayout(0, L_K))
+        p_q = q_ptr + i_b.to(gl.int64) * H * D + gl.expand_dims(o_h * D, 1) + gl.expand_dims(o_d, 0)
+        b_q = gl.load(p_q, mask=gl.expand_dims(o_h < H, 1) & gl.expand_dims(o_d < D, 0), other=0.0)
+        q_smem = gl.allocate_shared_memory(gl.float16, [HP, D], Q_SL)
+        q_smem.store(b_q.to(gl.float16))
+        o_w = gl.arange(0, HP, layout=COL)
+        b_w = gl.load(w_ptr + i_b.to(gl.int64) * H + o_w, mask=o_w < H, other=0.0)
+        cta_barrier()
+        b_qt = q_smem.permute((1, 0)).load(OP_B)
+
+        p_row = out_ptr + i_b.to(gl.int64) * stride_out
+        o_n = gl.arange(0, PAGE, layout=ROW)
+        b_zero = gl.zeros([PAGE, HP], gl.float32, layout=MMA)
+        for j in range(n_tiles):
+            # page j has landed for every thread, and every thread is done with the buffer refilled next
+            async_copy.wait_group(STAGES - 2)
+            cta_barrier()
+            jn = j + STAGES - 1
+            i_ld = gl.load(p_bt + gl.minimum(tile0 + jn, last))
+            sm90._indexer_paged_gluon_load(kv_ptr, None, None, k_smem.index(jn % STAGES), sc_smem.index(jn % STAGES),
+                                           None, i_ld, jn < n_tiles, num_pages, stride_page, 0, PAGE, D, False, L_K,
+                                           L_SC)
+            st = j % STAGES
+            i_pg = gl.load(p_bt + gl.minimum(tile0 + j, last))
+            m_pg = (i_pg >= 0) & (i_pg < num_pages)
+            b_s = mma_v2(k_smem.index(st).load(OP_A).to(gl.float16), b_qt, b_zero)  # [PAGE, HP]
+            b_sc = sc_smem.index(st).load(ROW)  # [PAGE]
+            sm90._indexer_paged_gluon_row(b_s, b_w, b_sc, c0 + j * PAGE + o_n, vis, m_pg, p_row, c1)
+        async_copy.wait_group(0)
+
+        sm90._indexer_paged_gluon_fill(p_row, p_row, c0 + n_tiles * PAGE, c1, 1, PAGE, NUM_WARPS)
+
+
+def supported(q: torch.Tensor, kv_cache: torch.Tensor, arch: int | None) -> bool:
+    """Whether this kernel takes the call: ``next_n`` 1, ``D`` 128, a head count of ``PAGED_MMA_V2_HEADS``,
+    pages of 64 keys in 16-byte aligned rows (the copies move 16 bytes), fp8 ``q``, an arch of
+    ``PAGED_MMA_V2_ARCHS`` with Gluon allowed, on CUDA."""
+    if q.dim() != 4 or kv_cache.dim() != 4 or not q.is_cuda:
+        return False
+    _, next_n, num_heads, head_dim = q.shape
+    return (
+        next_n == 1
+        and head_dim == HEAD_DIM
+        and num_heads in cfgs.PAGED_MMA_V2_HEADS
+        and q.dtype == torch.float8_e4m3fn
+        and q.is_contiguous()
+        and q.data_ptr() % 16 == 0
+        and kv_cache.dtype == torch.uint8
+        and kv_cache.shape[1] == PAGE
+        and kv_cache.shape[-1] == HEAD_DIM + 4
+        and kv_cache.stride(-1) == 1
+        and kv_cache.stride(1) == HEAD_DIM + 4
+        and kv_cache.stride(0) % 16 == 0
+        and kv_cache.data_ptr() % 16 == 0
+        and gluon_enabled(arch, cfgs.PAGED_MMA_V2_ARCHS)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(B: int, H: int, max_context_len: int, num_sms: int, chunk: int | None
+                 ) -> tuple[int, tuple[int, int], int]:
+    """``(chunk, grid, padded heads)`` of a launch, computed once per shape."""
+    chunk = chunk or cfgs.paged_chunk(B, max_context_len, num_sms, PAGE, cfgs.PAGED_MMA_V2.resident)
+    chunk = triton.cdiv(chunk, PAGE) * PAGE
+    return chunk, (B, triton.cdiv(max_context_len, chunk)), cfgs.padded_heads(H)
+
+
+def fp8_paged_mqa_logits_mma_v2(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_context_len: int,
+    *,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Gluon :func:`nsa_backend.fp8_paged_mqa_logits` for the mma.sync archs (see :func:`supported`).
+
+    Same parameters and result as ``nsa_backend.kernels.indexer.fp8_paged_mqa_logits_triton`` (``next_n``
+    1; ``kv_cache`` 4-D). ``chunk`` (keys per program) overrides ``configs.indexer.paged_chunk``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, max_context_len]`` ``float32``.
+    """
+    B, next_n, H, D = q.shape
+    if next_n != 1 or D != HEAD_DIM or kv_cache.shape[1] != PAGE:
+        raise ValueError(f"the mma_v2 paged kernel takes next_n 1, D {HEAD_DIM} and pages of {PAGE} keys, got "
+                         f"next_n {next_n}, D {D}, pages of {kv_cache.shape[1]}")
+    num_pages = kv_cache.shape[0]
+    out = torch.empty(B, max_context_len, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    if block_table.shape[1] == 0 or num_pages == 0:  # no page: no visible key
+        return out.fill_(float("-inf"))
+    chunk, grid, hp = _launch_plan(B, H, max_context_len, device_sms(q.device), chunk)
+    _indexer_paged_mma_v2_kernel[grid](
+        q, kv_cache, weights, context_lens, block_table, out, H, max_context_len, num_pages, block_table.shape[1],
+        block_table.stride(0), kv_cache.stride(0), out.stride(0), next_n, chunk,
+        D=HEAD_DIM, HP=hp, PAGE=PAGE, STAGES=cfgs.PAGED_MMA_V2.num_stages, CTX_2D=context_lens.dim() == 2,
+        NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def kernel():
+    """The Gluon kernel (requires :func:`nsa_backend.kernels._gluon.gluon_importable`)."""
+    return _indexer_paged_mma_v2_kernel
+
+
+__all__ = ["HEAD_DIM", "PAGE", "fp8_paged_mqa_logits_mma_v2", "kernel", "supported"]

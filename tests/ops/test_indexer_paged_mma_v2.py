@@ -1,0 +1,138 @@
+"""Gluon mma.sync paged indexer logits (sm_89 / 120 / 121, ``next_n`` 1) against ``nsa_backend.reference``.
+
+CPU: the route's tables and the gate (never taken off CUDA). The ahead-of-time compile of the kernel for
+sm_89 / 120 / 121 (no spill, within 99 KiB) is part of ``tests/ops/test_aot_resources.py`` (kind
+``paged_gluon`` of the indexer family).
+GPU (a Triton with Gluon and a GPU with e4m3, sm_89 or newer): a 300-case seeded fuzz against the reference
+(head counts 17..64, contexts 0..70000 in both ``context_lens`` forms, padded page strides, invalid and
+out-of-range block-table entries, chunks and extra output columns), the route of the paged launcher under
+each arch it serves (forced), and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from nsa_backend import reference as ref
+from nsa_backend.configs import indexer as cfgs
+from tests.ops._cuda_graph import capture
+from tests.ops.test_indexer import _assert_logits, _paged_term_scale
+from tests.ops.test_indexer_paged_gluon import _paged_case
+
+triton = pytest.importorskip("triton")
+
+FUZZ_CASES = min(300, int(os.environ.get("NSA_FUZZ_CASES", "300")))
+
+
+def _on_gluon_fp8_gpu() -> bool:
+    from nsa_backend.kernels._gluon import gluon_importable
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) and gluon_importable()
+
+
+def test_route_tables():
+    """The kernel serves the mma.sync archs with e4m3, 17..64 heads (padded to 32 or 64), with a launch that fits
+    two programs in the 100 KiB of an sm_120 SM (its chunks are planned for them)."""
+    assert cfgs.PAGED_MMA_V2_ARCHS == (89, 120, 121)
+    assert min(cfgs.PAGED_MMA_V2_HEADS) == 17 and max(cfgs.PAGED_MMA_V2_HEADS) == 64
+    assert {cfgs.padded_heads(h) for h in cfgs.PAGED_MMA_V2_HEADS} == {32, 64}
+    assert cfgs.PAGED_MMA_V2.resident == 2 and not cfgs.PAGED_MMA_V2.tma
+
+
+def test_gate_off_without_cuda():
+    from nsa_backend.kernels.indexer import sm89_gluon_paged as G
+
+    q, cache, *_ = _paged_case(2, 64, [100, 70], False, next_n=1)
+    for arch in (89, 120, 121, None):
+        assert not G.supported(q, cache, arch)
+
+
+def _fuzz_cases(n: int, seed: int) -> list[dict]:
+    rnd = random.Random(seed)
+    cases = []
+    for i in range(n):
+        big = rnd.random() < 0.06
+        B = rnd.randint(1, 3 if big else 12)
+        top = 70000 if big else rnd.choice([200, 2000, 9000])
+        lens = [0 if rnd.random() < 0.15 else rnd.choice([1, 2, 63, 64, 65, rnd.randint(1, top)])
+                for _ in range(B)]
+        cases.append(dict(B=B, H=rnd.choice([64, 64, 40, 33, 32, 24, 17]), lens=lens, ctx_2d=rnd.random() < 0.5,
+                          pad=rnd.choice([0, 0, 16, 48, 128]), bad_pages=rnd.random() < 0.3,
+                          chunk=rnd.choice([None, None, 64, 128, 576, 2048]), extra=rnd.choice([0, 0, 1, 100]),
+                          seed=i))
+    return cases
+
+
+@pytest.mark.gpu
+def test_paged_mma_v2_gpu_fuzz():
+    if not _on_gluon_fp8_gpu():
+        pytest.skip("needs a GPU with e4m3 (sm_89+) and Gluon")
+    from nsa_backend.kernels.indexer.sm89_gluon_paged import fp8_paged_mqa_logits_mma_v2
+
+    for c in _fuzz_cases(FUZZ_CASES, seed=23):
+        q, cache, w, ctx, table, max_len = _paged_case(c["B"], c["H"], c["lens"], c["ctx_2d"], c["pad"],
+                                                       bad_pages=c["bad_pages"], device="cuda", seed=c["seed"],
+                                                       next_n=1)
+        max_ctx = max_len + c["extra"]
+        want = ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_ctx)
+        out = fp8_paged_mqa_logits_mma_v2(q, cache, w, ctx, table, max_ctx, chunk=c["chunk"])
+        _assert_logits(out, want, what=f"{c}", scale=_paged_term_scale(q, cache, w, ctx, table, max_ctx))
+    print(f"paged mma_v2 fuzz: {FUZZ_CASES} cases passed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["sm89", "sm120", "sm121", "sm86"])
+def test_paged_mma_v2_route_gpu(monkeypatch, arch):
+    """With routing forced to an arch of ``PAGED_MMA_V2_ARCHS`` the paged launcher returns this kernel's result
+    for next_n 1 and the ``tl`` kernel's otherwise (next_n 2, sm_86, ``NSA_BACKEND_GLUON=0``)."""
+    if not _on_gluon_fp8_gpu():
+        pytest.skip("needs a GPU with e4m3 (sm_89+) and Gluon")
+    from nsa_backend.kernels.indexer import fp8_paged_mqa_logits_triton
+    from nsa_backend.kernels.indexer import sm89_gluon_paged as G
+    from nsa_backend.routing.config import reset_config
+
+    monkeypatch.setenv("NSA_BACKEND_FORCE_ARCH", arch)
+    reset_config()  # routing re-reads the forced arch
+    try:
+        _route_checks(monkeypatch, G, fp8_paged_mqa_logits_triton, arch)
+    finally:
+        monkeypatch.delenv("NSA_BACKEND_FORCE_ARCH")
+        reset_config()
+
+
+def _route_checks(monkeypatch, G, fp8_paged_mqa_logits_triton, arch: str) -> None:
+    q, cache, w, ctx, table, max_len = _paged_case(3, 64, [5000, 64, 1], False, device="cuda", seed=5, next_n=1)
+    calls = []
+    real = G.fp8_paged_mqa_logits_mma_v2
+    monkeypatch.setattr(G, "fp8_paged_mqa_logits_mma_v2", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, None, max_len)
+    assert len(calls) == (arch != "sm86"), arch
+    _assert_logits(got, ref.fp8_paged_mqa_logits(q, cache, w, ctx, table, None, max_len), what=arch,
+                   scale=_paged_term_scale(q, cache, w, ctx, table, max_len))
+    monkeypatch.setenv("NSA_BACKEND_GLUON", "0")
+    fp8_paged_mqa_logits_triton(q, cache, w, ctx, table, None, max_len)
+    monkeypatch.delenv("NSA_BACKEND_GLUON")
+    q2, cache2, w2, ctx2, table2, _ = _paged_case(3, 64, [5000, 64, 1], False, device="cuda", seed=5, next_n=2)
+    fp8_paged_mqa_logits_triton(q2, cache2, w2, ctx2, table2, None, max_len)
+    assert len(calls) == (arch != "sm86"), arch
+
+
+@pytest.mark.gpu
+def test_paged_mma_v2_cuda_graph():
+    """Captured in a CUDA graph and replayed, the kernel gives the eager result."""
+    if not _on_gluon_fp8_gpu():
+        pytest.skip("needs a GPU with e4m3 (sm_89+) and Gluon")
+    from nsa_backend.kernels.indexer.sm89_gluon_paged import fp8_paged_mqa_logits_mma_v2
+
+    q, cache, w, ctx, table, max_len = _paged_case(4, 64, [9000, 1, 0, 4097], True, 16, bad_pages=True,
+                                                   device="cuda", seed=9, next_n=1)
+    eager = fp8_paged_mqa_logits_mma_v2(q, cache, w, ctx, table, max_len)
+    graph, out = capture(lambda: fp8_paged_mqa_logits_mma_v2(q, cache, w, ctx, table, max_len))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager, out)
