@@ -4,7 +4,7 @@ CPU: the route's tables and the gate (never taken off CUDA). The ahead-of-time c
 sm_89 / 120 / 121 (no spill, within 99 KiB) is part of ``tests/ops/test_aot_resources.py`` (kind
 ``paged_gluon`` of the indexer family).
 GPU (a Triton with Gluon and a GPU with e4m3, sm_89 or newer): a 300-case seeded fuzz against the reference
-(head counts 17..64, contexts 0..70000 in both ``context_lens`` forms, padded page strides, invalid and
+(head counts 17..64, the kernel called directly, contexts 0..70000 in both ``context_lens`` forms, padded page strides, invalid and
 out-of-range block-table entries, chunks and extra output columns), the route of the paged launcher under
 each arch it serves (forced), and CUDA-graph capture.
 """
@@ -35,11 +35,11 @@ def _on_gluon_fp8_gpu() -> bool:
 
 
 def test_route_tables():
-    """The kernel serves the mma.sync archs with e4m3, 17..64 heads (padded to 32 or 64), with a launch that fits
-    two programs in the 100 KiB of an sm_120 SM (its chunks are planned for them)."""
+    """The kernel serves the mma.sync archs with e4m3, 33..64 heads (padded to 64), with a launch that fits two
+    programs in the 100 KiB of an sm_120 SM (its chunks are planned for them)."""
     assert cfgs.PAGED_MMA_V2_ARCHS == (89, 120, 121)
-    assert min(cfgs.PAGED_MMA_V2_HEADS) == 17 and max(cfgs.PAGED_MMA_V2_HEADS) == 64
-    assert {cfgs.padded_heads(h) for h in cfgs.PAGED_MMA_V2_HEADS} == {32, 64}
+    assert min(cfgs.PAGED_MMA_V2_HEADS) == 33 and max(cfgs.PAGED_MMA_V2_HEADS) == 64
+    assert {cfgs.padded_heads(h) for h in cfgs.PAGED_MMA_V2_HEADS} == {64}
     assert cfgs.PAGED_MMA_V2.resident == 2 and not cfgs.PAGED_MMA_V2.tma
 
 

@@ -1,7 +1,7 @@
 """Gluon paged indexer logits for the mma.sync archs with e4m3 (sm_89 / 120 / 121): one query row per request.
 
 :func:`fp8_paged_mqa_logits_mma_v2` computes :func:`nsa_backend.fp8_paged_mqa_logits` for ``next_n = 1``,
-``D = 128``, 17..64 heads (padded to 32 or 64) and pages of 64 keys; the launcher
+``D = 128``, 33..64 heads (padded to 64) and pages of 64 keys; the launcher
 ``nsa_backend.kernels.indexer.fp8_paged_mqa_logits_triton`` calls it where :func:`supported` says so
 (``configs.indexer.PAGED_MMA_V2_ARCHS`` / ``PAGED_MMA_V2_HEADS``) and keeps the ``tl`` kernel otherwise.
 
