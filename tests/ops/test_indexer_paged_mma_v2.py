@@ -3,10 +3,10 @@
 CPU: the route's tables and the gate (never taken off CUDA). The ahead-of-time compile of the kernel for
 sm_89 / 120 / 121 (no spill, within 99 KiB) is part of ``tests/ops/test_aot_resources.py`` (kind
 ``paged_gluon`` of the indexer family).
-GPU (a Triton with Gluon and a GPU with e4m3, sm_89 or newer): a 300-case seeded fuzz against the reference
-(head counts 17..64, the kernel called directly, contexts 0..70000 in both ``context_lens`` forms, padded page strides, invalid and
-out-of-range block-table entries, chunks and extra output columns), the route of the paged launcher under
-each arch it serves (forced), and CUDA-graph capture.
+GPU (a Triton with Gluon and a GPU with e4m3, sm_89 or newer): a 300-case seeded fuzz of the kernel called
+directly against the reference (head counts 17..64, contexts 0..70000 in both ``context_lens`` forms, padded
+page strides, invalid and out-of-range block-table entries, chunks and extra output columns), the route of the
+paged launcher under each arch it serves (forced), and CUDA-graph capture.
 """
 
 from __future__ import annotations
