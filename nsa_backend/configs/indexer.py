@@ -181,11 +181,11 @@ PAGED_GLUON_HEADS: frozenset[int] = frozenset(range(33, 65))
 # The mma.sync archs with e4m3 (sm_89 / 120 / 121), Gluon allowed: one query row per request (next_n 1) and 33..64
 # heads take the Gluon kernel of nsa_backend/kernels/indexer/sm89_gluon_paged.py (q^T held in the MMA operand's
 # registers, keys converted to fp16 per page, 4 cp.async buffers: 49 KiB, two programs per SM). Under the sm120
-# proxy on an H100 (B 128, H 64, graph, same run) a prototype read the cache at 0.766 / 0.837 / 0.850 of the copy
-# rate at 8K / 32K / 64K against 0.567 / 0.618 / 0.629 for the tl entry PAGED_SMALL_TUNED[(64, 1)]; q read from
-# shared memory per page instead: 0.614 / 0.658 / 0.678; 3 buffers at 3 programs per SM 0.439-0.526; 6 or 8
-# buffers 0.28-0.54; two warps across the heads 0.618-0.678. Up to 32 heads the tl entries stay (not measured
-# against them).
+# proxy on an H100 (B 128, H 64, graph) the suite read the cache at 0.757 / 0.807 / 0.845 / 0.861 of the copy rate
+# at 8K / 16K / 32K / 64K (0.678 at 4K) against 0.565 / 0.597 / 0.623 / 0.631 (0.516) for the tl entry
+# PAGED_SMALL_TUNED[(64, 1)]. In the prototype sweep (same machine): q read from shared memory per page instead
+# 0.614-0.678 at 8K-64K; 3 buffers at 3 programs per SM 0.44-0.53; 6 or 8 buffers 0.28-0.54; two warps across the
+# heads 0.62-0.68. Up to 32 heads the tl entries stay (not timed against them).
 PAGED_MMA_V2_ARCHS: tuple[int, ...] = (89, 120, 121)
 PAGED_MMA_V2_HEADS: frozenset[int] = frozenset(range(33, 65))
 PAGED_MMA_V2 = PagedGluonConfig(num_stages=4, resident=2, tma=False)
