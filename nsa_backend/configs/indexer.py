@@ -184,8 +184,8 @@ PAGED_GLUON_HEADS: frozenset[int] = frozenset(range(33, 65))
 # proxy on an H100 (B 128, H 64, graph) the suite read the cache at 0.757 / 0.807 / 0.845 / 0.861 of the copy rate
 # at 8K / 16K / 32K / 64K (0.678 at 4K) against 0.565 / 0.597 / 0.623 / 0.631 (0.516) for the tl entry
 # PAGED_SMALL_TUNED[(64, 1)]. In the prototype sweep (same machine): q read from shared memory per page instead
-# 0.614-0.678 at 8K-64K; 3 buffers at 3 programs per SM 0.44-0.53; 6 or 8 buffers 0.28-0.54; two warps across the
-# heads 0.62-0.68. Up to 32 heads the tl entries stay (not timed against them).
+# 0.614-0.678 at 8K-64K; 3 buffers 0.44-0.53; 6 or 8 buffers (one program per SM) 0.28-0.54; two warps across
+# the heads 0.62-0.68. Up to 32 heads the tl entries stay (not timed against them).
 PAGED_MMA_V2_ARCHS: tuple[int, ...] = (89, 120, 121)
 PAGED_MMA_V2_HEADS: frozenset[int] = frozenset(range(33, 65))
 PAGED_MMA_V2 = PagedGluonConfig(num_stages=4, resident=2, tma=False)
