@@ -133,26 +133,14 @@ if gluon is not None:
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, arch: int | None) -> bool:
     """Whether this kernel takes the call: ``next_n`` 1, ``D`` 128, a head count of ``PAGED_MMA_V2_HEADS``,
     pages of 64 keys in 16-byte aligned rows (the copies move 16 bytes), fp8 ``q``, an arch of
-    ``PAGED_MMA_V2_ARCHS`` with Gluon allowed, on CUDA."""
+    ``PAGED_MMA_V2_ARCHS`` with Gluon allowed, on CUDA. The arch is checked first: on the others (every decode
+    step on sm_90) nothing else is looked at."""
+    if not gluon_enabled(arch, cfgs.PAGED_MMA_V2_ARCHS):
+        return False
     if q.dim() != 4 or kv_cache.dim() != 4 or not q.is_cuda:
         return False
-    _, next_n, num_heads, head_dim = q.shape
-    return (
-        next_n == 1
-        and head_dim == HEAD_DIM
-        and num_heads in cfgs.PAGED_MMA_V2_HEADS
-        and q.dtype == torch.float8_e4m3fn
-        and q.is_contiguous()
-        and q.data_ptr() % 16 == 0
-        and kv_cache.dtype == torch.uint8
-        and kv_cache.shape[1] == PAGE
-        and kv_cache.shape[-1] == HEAD_DIM + 4
-        and kv_cache.stride(-1) == 1
-        and kv_cache.stride(1) == HEAD_DIM + 4
-        and kv_cache.stride(0) % 16 == 0
-        and kv_cache.data_ptr() % 16 == 0
-        and gluon_enabled(arch, cfgs.PAGED_MMA_V2_ARCHS)
-    )
+    _, next_n, num_heads, _ = q.shape
+    return next_n == 1 and num_heads in cfgs.PAGED_MMA_V2_HEADS and sm90.copyable_pages(q, kv_cache)
 
 
 @functools.lru_cache(maxsize=256)

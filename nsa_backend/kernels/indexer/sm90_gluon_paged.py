@@ -483,17 +483,12 @@ def kernel(warp_specialize: bool = False):
     return _indexer_paged_gluon_ws_kernel if warp_specialize else _indexer_paged_gluon_kernel
 
 
-def shape_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The calls the launcher routes to the kernel: ``D`` 128, pages of 64 keys, the head counts of
-    ``configs.indexer.PAGED_GLUON_HEADS``, a ``next_n`` with a launch for the cache's copy engine
-    (``configs.indexer.paged_gluon_config``), fp8 ``q`` and 16-byte aligned rows and pages (the
-    copies move 16 bytes at a time)."""
-    if q.dim() != 4 or kv_cache.dim() not in (3, 4):
-        return False
-    _, next_n, num_heads, head_dim = q.shape
+def copyable_pages(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The layouts the Gluon paged kernels copy 16 bytes at a time: contiguous, 16-byte aligned fp8 ``q`` of
+    ``D`` 128, and a cache of pages of 64 rows of ``D + 4`` bytes whose pages and base are 16-byte aligned
+    (``q`` 4-D; the caller checks the cache's rank)."""
     return (
-        head_dim == HEAD_DIM
-        and num_heads in cfgs.PAGED_GLUON_HEADS
+        q.shape[-1] == HEAD_DIM
         and q.dtype == torch.float8_e4m3fn
         and q.is_contiguous()
         and q.data_ptr() % 16 == 0
@@ -504,6 +499,20 @@ def shape_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         and kv_cache.stride(1) == HEAD_DIM + 4
         and kv_cache.stride(0) % 16 == 0
         and kv_cache.data_ptr() % 16 == 0
+    )
+
+
+def shape_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The calls the launcher routes to the kernel: ``D`` 128, pages of 64 keys, the head counts of
+    ``configs.indexer.PAGED_GLUON_HEADS``, a ``next_n`` with a launch for the cache's copy engine
+    (``configs.indexer.paged_gluon_config``), fp8 ``q`` and 16-byte aligned rows and pages (the
+    copies move 16 bytes at a time: :func:`copyable_pages`)."""
+    if q.dim() != 4 or kv_cache.dim() not in (3, 4):
+        return False
+    _, next_n, num_heads, _ = q.shape
+    return (
+        num_heads in cfgs.PAGED_GLUON_HEADS
+        and copyable_pages(q, kv_cache)
         and cfgs.paged_gluon_config(next_n, tma_supported(kv_cache)) is not None
     )
 
