@@ -187,7 +187,7 @@ PAGED_GLUON_HEADS: frozenset[int] = frozenset(range(33, 65))
 # 0.614-0.678 at 8K-64K; 3 buffers 0.44-0.53; 6 or 8 buffers (one program per SM) 0.28-0.54; two warps across
 # the heads 0.62-0.68. Up to 32 heads the tl entries stay (not timed against them).
 PAGED_MMA_V2_ARCHS: tuple[int, ...] = (89, 120, 121)
-PAGED_MMA_V2_HEADS: frozenset[int] = frozenset(range(33, 65))
+PAGED_MMA_V2_HEADS: dict[int, frozenset[int]] = {1: frozenset(range(17, 65)), 2: frozenset(range(1, 65))}
 PAGED_MMA_V2 = PagedGluonConfig(num_stages=4, resident=2, tma=False)
 
 

@@ -250,8 +250,8 @@ def _cuda(args: dict[str, Any]) -> dict[str, Any]:
     return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
-def _paged_logits_args(next_n: int) -> dict[str, Any]:
-    args = _cuda(paged_logits_args(B=3, next_n=next_n, H=64, D=128, pages=16))
+def _paged_logits_args(next_n: int, heads: int = 64) -> dict[str, Any]:
+    args = _cuda(paged_logits_args(B=3, next_n=next_n, H=heads, D=128, pages=16))
     args["context_lens"] = torch.tensor([300, 17, 129], dtype=torch.int32, device="cuda")
     args["block_table"] = torch.randperm(16, device="cuda").to(torch.int32)[:15].view(3, 5)
     args["max_context_len"] = 320
@@ -306,9 +306,45 @@ def _gpu_cases():
 @pytest.mark.parametrize("case", _gpu_cases(), ids=lambda c: c[0])
 def test_replayed_calls_equal_tritons_own_launches(case, monkeypatch):
     name, make, op, cache = case
+    _replays_equal_own_launches(name, make(), op, cache, monkeypatch)
+    if name == "fp8_paged_mqa_logits" and _gluon_paged_route(make()):
+        # the sm_90 Gluon kernel takes TMA descriptors, which hold the cache's address: never replayed
+        # (a replay would read the first call's cache)
+        assert len(cache) == 0
+    else:
+        assert len(cache) == 1, "the calls were not replayed"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("next_n", "heads"), [(1, 64), (2, 32)])
+def test_mma_v2_paged_logits_replay(next_n, heads, monkeypatch):
+    """Under sm_120's route the paged logits of one row of 64 heads and two rows of 32 take the Gluon mma.sync
+    kernel (``sm89_gluon_paged``), whose eager calls replay."""
+    from nsa_backend.kernels._gluon import gluon_importable
+    from nsa_backend.kernels.indexer import sm89_gluon_paged
+    from nsa_backend.routing.config import reset_config
+
+    if torch.cuda.get_device_capability() < (8, 9) or not gluon_importable():
+        pytest.skip("needs a GPU with e4m3 (sm_89+) and Gluon")
+    monkeypatch.setenv("NSA_BACKEND_FORCE_ARCH", "sm120")
+    reset_config()
+    try:
+        first = _paged_logits_args(next_n, heads)
+        kv_cache = first["kv_cache"]
+        kv_cache = kv_cache.unsqueeze(2) if kv_cache.dim() == 3 else kv_cache
+        assert sm89_gluon_paged.supported(first["q"], kv_cache, device_arch(first["q"].device))
+        cache = nb.indexer._paged_logits_replays
+        _replays_equal_own_launches("fp8_paged_mqa_logits", first, nb.fp8_paged_mqa_logits, cache, monkeypatch)
+        assert len(cache) == 1, "the calls were not replayed"
+    finally:
+        monkeypatch.delenv("NSA_BACKEND_FORCE_ARCH")
+        reset_config()
+
+
+def _replays_equal_own_launches(name: str, first: dict[str, Any], op: Any, cache: Any, monkeypatch) -> None:
+    """Four calls of one signature (the first recorded, three replayed), each equal to Triton's own launches."""
     monkeypatch.delenv("NSA_BACKEND_FAST_LAUNCH", raising=False)
     cache.clear()
-    first = make()
     for args in (first, _fresh(first), _fresh(first), _fresh(first)):
         got = op(**args, impl="triton")
         monkeypatch.setenv("NSA_BACKEND_FAST_LAUNCH", "0")
@@ -318,12 +354,6 @@ def test_replayed_calls_equal_tritons_own_launches(case, monkeypatch):
             got, want = got.sort(-1).values, want.sort(-1).values
         for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
-    if name == "fp8_paged_mqa_logits" and _gluon_paged_route(first):
-        # the sm_90 Gluon kernel takes TMA descriptors, which hold the cache's address: never replayed
-        # (a replay would read the first call's cache)
-        assert len(cache) == 0
-    else:
-        assert len(cache) == 1, "the calls were not replayed"
 
 
 def _gluon_paged_route(args: dict[str, Any]) -> bool:
