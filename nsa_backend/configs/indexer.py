@@ -178,14 +178,15 @@ PAGED_GLUON_CP: dict[int, PagedGluonConfig] = {
 PAGED_GLUON_HEADS: frozenset[int] = frozenset(range(33, 65))
 
 
-# The mma.sync archs with e4m3 (sm_89 / 120 / 121), Gluon allowed: one query row per request (next_n 1) and 33..64
-# heads take the Gluon kernel of nsa_backend/kernels/indexer/sm89_gluon_paged.py (q^T held in the MMA operand's
-# registers, keys converted to fp16 per page, 4 cp.async buffers: 49 KiB, two programs per SM). Under the sm120
-# proxy on an H100 (B 128, H 64, graph) the suite read the cache at 0.757 / 0.807 / 0.845 / 0.861 of the copy rate
-# at 8K / 16K / 32K / 64K (0.678 at 4K) against 0.565 / 0.597 / 0.623 / 0.631 (0.516) for the tl entry
-# PAGED_SMALL_TUNED[(64, 1)]. In the prototype sweep (same machine): q read from shared memory per page instead
-# 0.614-0.678 at 8K-64K; 3 buffers 0.44-0.53; 6 or 8 buffers (one program per SM) 0.28-0.54; two warps across
-# the heads 0.62-0.68. Up to 32 heads the tl entries stay (not timed against them).
+# The mma.sync archs with e4m3 (sm_89 / 120 / 121), Gluon allowed: one query row per request with 17..64 heads and
+# two rows with 1..64 take the Gluon kernel of nsa_backend/kernels/indexer/sm89_gluon_paged.py (each row's q^T held
+# in the MMA operand's registers, e4m3 products on these archs, 4 cp.async buffers: 41-49 KiB, two programs per
+# SM). Under the sm120 proxy on an H100 (B 128, graph; fp16 products there) it read the cache at 0.761 / 0.849 /
+# 0.873 of the copy rate at 8K / 32K / 64K with one row of 64 heads, 0.734 / 0.811 / 0.837 with two rows of 32
+# and 0.774 / 0.857 / 0.878 with two of 16, against 0.562 / 0.614 / 0.631, 0.531 / 0.572 / 0.585 and 0.488 /
+# 0.531 / 0.536 for the tl entries of PAGED_SMALL_TUNED; one row of 32 heads 1.03x the tl entry, two rows of 64
+# (e4m3 products converted by ptxas) 1.02-1.06x (bench/results/h100-proxy-sm120/paged-mma-v2-rows). Chunks for
+# four programs per SM ran 0.96-1.00x. One row of up to 16 heads keeps the tl entries (not timed against them).
 PAGED_MMA_V2_ARCHS: tuple[int, ...] = (89, 120, 121)
 PAGED_MMA_V2_HEADS: dict[int, frozenset[int]] = {1: frozenset(range(17, 65)), 2: frozenset(range(1, 65))}
 PAGED_MMA_V2 = PagedGluonConfig(num_stages=4, resident=2, tma=False)
