@@ -3,7 +3,7 @@
 :func:`fp8_paged_mqa_logits_mma_v2` computes :func:`nsa_backend.fp8_paged_mqa_logits` for ``D = 128``, pages
 of 64 keys and ``next_n`` 1 or 2; the launcher ``nsa_backend.kernels.indexer.fp8_paged_mqa_logits_triton``
 calls it where :func:`supported` says so (``configs.indexer.PAGED_MMA_V2_ARCHS`` / ``PAGED_MMA_V2_HEADS``: one
-row of 33..64 heads, two rows of up to 32) and keeps the ``tl`` kernel otherwise.
+row of 17..64 heads, two rows of 1..64) and keeps the ``tl`` kernel otherwise.
 
     logits[t] = k_scale[t] * sum_h relu(q[h] . k[t]) * w[h]
 
