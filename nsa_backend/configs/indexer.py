@@ -188,7 +188,9 @@ PAGED_GLUON_HEADS: frozenset[int] = frozenset(range(33, 65))
 # (e4m3 products converted by ptxas) 1.02-1.05x (bench/results/h100-proxy-sm120/paged-mma-v2-rows). Chunks for
 # four programs per SM ran 0.96-1.00x. One row of up to 16 heads keeps the tl entries (not timed against them).
 PAGED_MMA_V2_ARCHS: tuple[int, ...] = (89, 120, 121)
-PAGED_MMA_V2_HEADS: dict[int, frozenset[int]] = {1: frozenset(range(17, 65)), 2: frozenset(range(1, 65))}
+PAGED_MMA_V2_HEADS: dict[int, frozenset[int]] = {
+    1: frozenset(range(17, 65)), 2: frozenset(range(1, 65)), 3: frozenset(range(1, 65)), 4: frozenset(range(1, 65)),
+}
 PAGED_MMA_V2 = PagedGluonConfig(num_stages=4, resident=2, tma=False)
 
 

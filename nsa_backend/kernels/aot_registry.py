@@ -143,17 +143,19 @@ def indexer_jobs(arch: int, largest_only: bool = False) -> list[AotJob]:
     if arch in cfg_indexer.PAGED_MMA_V2_ARCHS and gluon_importable() and not largest_only:
         sig = dict(q_ptr="*fp8e4nv", kv_ptr="*u8", w_ptr="*fp32", ctx_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32",
                    H="i32", max_ctx="i32", num_pages="i32", max_blocks="i32", stride_bt="i32", stride_page="i32",
-                   stride_out="i32", next_n="i32", chunk="i32")
-        for next_n, heads in sorted(cfg_indexer.PAGED_MMA_V2_HEADS.items()):
-            for hp in sorted({cfg_indexer.padded_heads(h) for h in heads}):
-                for ctx_2d in (False, True):
-                    # these archs multiply in e4m3 (sm89_gluon_paged.e4m3_products)
-                    cx = dict(NP=next_n, D=mma_v2_paged.HEAD_DIM, HP=hp, PAGE=mma_v2_paged.PAGE,
-                              STAGES=cfg_indexer.PAGED_MMA_V2.num_stages, CTX_2D=ctx_2d, E4M3=True,
-                              NUM_WARPS=mma_v2_paged.NUM_WARPS)
-                    name = f"HP={hp} next_n={next_n} D=128 ctx_2d={ctx_2d} mma_v2"
-                    jobs.append(AotJob("indexer", "paged_gluon", name, arch, mma_v2_paged.kernel(),
-                                       _constexpr(sig, cx), cx, mma_v2_paged.NUM_WARPS, 1, _INDEXER_PAGED_ALIGNED))
+                   stride_out="i32", next_n="i32", groups="i32", chunk="i32")
+        # one build per rows per program (two where next_n > 1) and padded head count
+        builds = {(min(next_n, 2), cfg_indexer.padded_heads(h)) for next_n, heads in
+                  cfg_indexer.PAGED_MMA_V2_HEADS.items() for h in heads}
+        for rows, hp in sorted(builds):
+            for ctx_2d in (False, True):
+                # these archs multiply in e4m3 (sm89_gluon_paged.e4m3_products)
+                cx = dict(NP=rows, D=mma_v2_paged.HEAD_DIM, HP=hp, PAGE=mma_v2_paged.PAGE,
+                          STAGES=cfg_indexer.PAGED_MMA_V2.num_stages, CTX_2D=ctx_2d, E4M3=True,
+                          NUM_WARPS=mma_v2_paged.NUM_WARPS)
+                name = f"HP={hp} rows={rows} D=128 ctx_2d={ctx_2d} mma_v2"
+                jobs.append(AotJob("indexer", "paged_gluon", name, arch, mma_v2_paged.kernel(),
+                                   _constexpr(sig, cx), cx, mma_v2_paged.NUM_WARPS, 1, _INDEXER_PAGED_ALIGNED))
     sig = dict(ctx_ptr="*i32", out_ptr="*i32", B="i32", ctx_stride="i32", ctx_offset="i32", num_sms="i32")
     cx = dict(SPLIT=256, BLOCK_B=1024, BLOCK_SM=16)
     jobs.append(AotJob("indexer", "schedule", "BLOCK_B=1024", arch, indexer._indexer_paged_schedule_kernel,

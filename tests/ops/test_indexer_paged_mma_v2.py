@@ -4,7 +4,7 @@ CPU: the route's tables and the gate (never taken off CUDA). The ahead-of-time c
 sm_89 / 120 / 121 (no spill, within 99 KiB) is part of ``tests/ops/test_aot_resources.py`` (kind
 ``paged_gluon`` of the indexer family).
 GPU (a Triton with Gluon and a GPU with e4m3, sm_89 or newer): a 300-case seeded fuzz of the kernel called
-directly against the reference (one and two rows, head counts 1..64, products in e4m3 and in fp16, contexts
+directly against the reference (one to four rows, head counts 1..64, products in e4m3 and in fp16, contexts
 0..70000 in both ``context_lens`` forms, padded page strides, invalid and out-of-range block-table entries,
 chunks and extra output columns), the route of the paged launcher under each arch it serves (forced), and
 CUDA-graph capture.
@@ -36,13 +36,14 @@ def _on_gluon_fp8_gpu() -> bool:
 
 
 def test_route_tables():
-    """The kernel serves the mma.sync archs with e4m3: one row of 17..64 heads (padded to 32 or 64), two rows of
-    1..64 (padded to 16, 32 or 64), with a launch that fits two programs in the 100 KiB of an sm_120 SM (its
-    chunks are planned for them)."""
+    """The kernel serves the mma.sync archs with e4m3: one row of 17..64 heads (padded to 32 or 64), two to four
+    rows of 1..64 (padded to 16, 32 or 64; two rows per program), with a launch that fits two programs in the
+    100 KiB of an sm_120 SM (its chunks are planned for them)."""
     assert cfgs.PAGED_MMA_V2_ARCHS == (89, 120, 121)
-    assert sorted(cfgs.PAGED_MMA_V2_HEADS) == [1, 2]
+    assert sorted(cfgs.PAGED_MMA_V2_HEADS) == [1, 2, 3, 4]
     assert cfgs.PAGED_MMA_V2_HEADS[1] == frozenset(range(17, 65))
-    assert cfgs.PAGED_MMA_V2_HEADS[2] == frozenset(range(1, 65))
+    for next_n in (2, 3, 4):
+        assert cfgs.PAGED_MMA_V2_HEADS[next_n] == frozenset(range(1, 65))
     assert {cfgs.padded_heads(h) for h in cfgs.PAGED_MMA_V2_HEADS[2]} == {16, 32, 64}
     assert cfgs.PAGED_MMA_V2.resident == 2 and not cfgs.PAGED_MMA_V2.tma
 
@@ -65,7 +66,7 @@ def _fuzz_cases(n: int, seed: int) -> list[dict]:
         top = 70000 if big else rnd.choice([200, 2000, 9000])
         lens = [0 if rnd.random() < 0.15 else rnd.choice([1, 2, 63, 64, 65, rnd.randint(1, top)])
                 for _ in range(B)]
-        next_n = rnd.choice([1, 2])
+        next_n = rnd.choice([1, 1, 2, 2, 3, 4])
         heads = [64, 64, 40, 33, 32, 24, 17] if next_n == 1 else [64, 40, 32, 32, 24, 17, 16, 9, 1]
         cases.append(dict(B=B, H=rnd.choice(heads), next_n=next_n, e4m3=rnd.choice([None, None, True, False]),
                           lens=lens,
@@ -97,8 +98,8 @@ def test_paged_mma_v2_gpu_fuzz():
 @pytest.mark.parametrize("arch", ["sm89", "sm120", "sm121", "sm86"])
 def test_paged_mma_v2_route_gpu(monkeypatch, arch):
     """With routing forced to an arch of ``PAGED_MMA_V2_ARCHS`` the paged launcher returns this kernel's result
-    for one row of 64 heads and two rows of 32 or 64, and the ``tl`` kernel's otherwise (one row of 16 heads,
-    sm_86, ``NSA_BACKEND_GLUON=0``)."""
+    for one row of 64 heads and two to four rows, and the ``tl`` kernel's otherwise (one row of 16 heads, sm_86,
+    ``NSA_BACKEND_GLUON=0``)."""
     if not _on_gluon_fp8_gpu():
         pytest.skip("needs a GPU with e4m3 (sm_89+) and Gluon")
     from nsa_backend.kernels.indexer import fp8_paged_mqa_logits_triton
@@ -119,8 +120,8 @@ def _route_checks(monkeypatch, G, fp8_paged_mqa_logits_triton, arch: str) -> Non
     real = G.fp8_paged_mqa_logits_mma_v2
     monkeypatch.setattr(G, "fp8_paged_mqa_logits_mma_v2", lambda *a, **k: calls.append(1) or real(*a, **k))
     served = arch != "sm86"
-    for next_n, heads, routed in ((1, 64, served), (2, 32, served), (2, 64, served), (1, 16, False),
-                                  (1, 64, False)):
+    for next_n, heads, routed in ((1, 64, served), (2, 32, served), (2, 64, served), (3, 24, served),
+                                  (4, 64, served), (1, 16, False), (1, 64, False)):
         if not routed and heads == 64:
             monkeypatch.setenv("NSA_BACKEND_GLUON", "0")
         q, cache, w, ctx, table, max_len = _paged_case(3, heads, [5000, 64, 1], False, device="cuda", seed=5,
@@ -135,7 +136,7 @@ def _route_checks(monkeypatch, G, fp8_paged_mqa_logits_triton, arch: str) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("next_n", "heads"), [(1, 64), (2, 32), (2, 64)])
+@pytest.mark.parametrize(("next_n", "heads"), [(1, 64), (2, 32), (2, 64), (3, 40)])
 def test_paged_mma_v2_cuda_graph(next_n, heads):
     """Captured in a CUDA graph and replayed, the kernel gives the eager result."""
     if not _on_gluon_fp8_gpu():

@@ -84,7 +84,7 @@ if gluon is not None:
     @gluon.jit
     def _indexer_paged_mma_v2_kernel(
         q_ptr, kv_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
-        H, max_ctx, num_pages, max_blocks, stride_bt, stride_page, stride_out, next_n, chunk,
+        H, max_ctx, num_pages, max_blocks, stride_bt, stride_page, stride_out, next_n, groups, chunk,
         NP: gl.constexpr, D: gl.constexpr, HP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
         CTX_2D: gl.constexpr, E4M3: gl.constexpr, NUM_WARPS: gl.constexpr,
     ):
@@ -109,10 +109,13 @@ if gluon is not None:
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
 
-        i_b = gl.program_id(0)
+        # program (request i_b, group of NP rows from row0; a last group of one row takes it twice), chunk i_c
+        i_b = gl.program_id(0) // groups
+        row0 = gl.program_id(0) % groups * NP
+        row1 = gl.minimum(row0 + NP - 1, next_n - 1)
         i_c = gl.program_id(1)
-        vis0, vis1, c0, c1, n_tiles = sm90._indexer_paged_gluon_window(ctx_ptr, i_b, i_c, next_n, max_ctx,
-                                                                       max_blocks, chunk, NP, PAGE, CTX_2D)
+        vis0, vis1, c0, c1, n_tiles = sm90._indexer_paged_gluon_window(ctx_ptr, i_b, row0, row1, i_c, next_n,
+                                                                       max_ctx, max_blocks, chunk, PAGE, CTX_2D)
 
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D], K_SL)
         sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, PAGE], SC_SL)
@@ -127,16 +130,16 @@ if gluon is not None:
 
         # each row's q^T [D, HP] in the B operand's registers for the whole chunk, its weights [HP]
         q_smem = gl.allocate_shared_memory(Q_TYPE, [HP, D], Q_SL)
-        o_q0 = i_b.to(gl.int64) * next_n * H * D
-        b_qt0 = _indexer_paged_mma_v2_q(q_ptr, q_smem, o_q0, H, HP, D, L_K, OP_B, E4M3)
+        i_row0 = i_b.to(gl.int64) * next_n + row0  # rows of q, the weights and the output
+        i_row1 = i_b.to(gl.int64) * next_n + row1
+        b_qt0 = _indexer_paged_mma_v2_q(q_ptr, q_smem, i_row0 * H * D, H, HP, D, L_K, OP_B, E4M3)
         o_w = gl.arange(0, HP, layout=COL)
-        p_w0 = w_ptr + i_b.to(gl.int64) * next_n * H + o_w
-        b_w0 = gl.load(p_w0, mask=o_w < H, other=0.0)
-        p_row0 = out_ptr + i_b.to(gl.int64) * next_n * stride_out
+        b_w0 = gl.load(w_ptr + i_row0 * H + o_w, mask=o_w < H, other=0.0)
+        p_row0 = out_ptr + i_row0 * stride_out
         if NP == 2:
-            b_qt1 = _indexer_paged_mma_v2_q(q_ptr, q_smem, o_q0 + H * D, H, HP, D, L_K, OP_B, E4M3)
-            b_w1 = gl.load(p_w0 + H, mask=o_w < H, other=0.0)
-            p_row1 = p_row0 + stride_out
+            b_qt1 = _indexer_paged_mma_v2_q(q_ptr, q_smem, i_row1 * H * D, H, HP, D, L_K, OP_B, E4M3)
+            b_w1 = gl.load(w_ptr + i_row1 * H + o_w, mask=o_w < H, other=0.0)
+            p_row1 = out_ptr + i_row1 * stride_out
         else:
             b_qt1 = b_qt0
             b_w1 = b_w0
@@ -193,12 +196,15 @@ def e4m3_products(device: torch.device, rows: int, padded_heads: int) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(B: int, H: int, max_context_len: int, num_sms: int, chunk: int | None
-                 ) -> tuple[int, tuple[int, int], int]:
-    """``(chunk, grid, padded heads)`` of a launch, computed once per shape."""
-    chunk = chunk or cfgs.paged_chunk(B, max_context_len, num_sms, PAGE, cfgs.PAGED_MMA_V2.resident)
+def _launch_plan(B: int, next_n: int, H: int, max_context_len: int, num_sms: int, chunk: int | None
+                 ) -> tuple[int, int, int, tuple[int, int], int]:
+    """``(rows per program, row groups per request, chunk, grid, padded heads)`` of a launch, computed once per
+    shape: rows go two to a program (one where ``next_n`` is 1)."""
+    rows = min(next_n, 2)
+    groups = cdiv(next_n, rows)
+    chunk = chunk or cfgs.paged_chunk(B * groups, max_context_len, num_sms, PAGE, cfgs.PAGED_MMA_V2.resident)
     chunk = cdiv(chunk, PAGE) * PAGE
-    return chunk, (B, cdiv(max_context_len, chunk)), cfgs.padded_heads(H)
+    return rows, groups, chunk, (B * groups, cdiv(max_context_len, chunk)), cfgs.padded_heads(H)
 
 
 def fp8_paged_mqa_logits_mma_v2(
@@ -224,8 +230,8 @@ def fp8_paged_mqa_logits_mma_v2(
         ``[B * next_n, max_context_len]`` ``float32``.
     """
     B, next_n, H, D = q.shape
-    if next_n not in (1, 2) or D != HEAD_DIM or kv_cache.shape[1] != PAGE:
-        raise ValueError(f"the mma_v2 paged kernel takes next_n 1 or 2, D {HEAD_DIM} and pages of {PAGE} keys, "
+    if next_n < 1 or D != HEAD_DIM or kv_cache.shape[1] != PAGE:
+        raise ValueError(f"the mma_v2 paged kernel takes next_n >= 1, D {HEAD_DIM} and pages of {PAGE} keys, "
                          f"got next_n {next_n}, D {D}, pages of {kv_cache.shape[1]}")
     num_pages = kv_cache.shape[0]
     out = torch.empty(B * next_n, max_context_len, dtype=torch.float32, device=q.device)
@@ -233,12 +239,12 @@ def fp8_paged_mqa_logits_mma_v2(
         return out
     if block_table.shape[1] == 0 or num_pages == 0:  # no page: no visible key
         return out.fill_(float("-inf"))
-    chunk, grid, hp = _launch_plan(B, H, max_context_len, device_sms(q.device), chunk)
+    rows, groups, chunk, grid, hp = _launch_plan(B, next_n, H, max_context_len, device_sms(q.device), chunk)
     cached_launcher(_indexer_paged_mma_v2_kernel)[grid](
         q, kv_cache, weights, context_lens, block_table, out, H, max_context_len, num_pages, block_table.shape[1],
-        block_table.stride(0), kv_cache.stride(0), out.stride(0), next_n, chunk,
-        NP=next_n, D=HEAD_DIM, HP=hp, PAGE=PAGE, STAGES=cfgs.PAGED_MMA_V2.num_stages,
-        CTX_2D=context_lens.dim() == 2, E4M3=e4m3_products(q.device, next_n, hp) if e4m3 is None else e4m3,
+        block_table.stride(0), kv_cache.stride(0), out.stride(0), next_n, groups, chunk,
+        NP=rows, D=HEAD_DIM, HP=hp, PAGE=PAGE, STAGES=cfgs.PAGED_MMA_V2.num_stages,
+        CTX_2D=context_lens.dim() == 2, E4M3=e4m3_products(q.device, rows, hp) if e4m3 is None else e4m3,
         NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
     )
     return out

@@ -145,17 +145,17 @@ if gluon is not None:
             fence_async_shared()
 
     @gluon.jit
-    def _indexer_paged_gluon_window(ctx_ptr, i_b, i_c, next_n, max_ctx, max_blocks, chunk, NP: gl.constexpr,
+    def _indexer_paged_gluon_window(ctx_ptr, i_b, row0, row1, i_c, next_n, max_ctx, max_blocks, chunk,
                                     PAGE: gl.constexpr, CTX_2D: gl.constexpr):
-        """Keys visible to row 0 and row ``NP - 1`` of request ``i_b`` (clamped to ``[0, max_ctx]`` and to
-        the block table), the chunk ``[c0, c1)`` of program ``i_c`` and its tiles with a visible key."""
+        """Keys visible to rows ``row0`` and ``row1`` of request ``i_b`` (clamped to ``[0, max_ctx]`` and to the
+        block table), the chunk ``[c0, c1)`` of program ``i_c`` and its tiles with a visible key."""
         if CTX_2D:
-            vis0 = gl.load(ctx_ptr + i_b.to(gl.int64) * next_n)
-            vis1 = gl.load(ctx_ptr + i_b.to(gl.int64) * next_n + NP - 1)
+            vis0 = gl.load(ctx_ptr + i_b.to(gl.int64) * next_n + row0)
+            vis1 = gl.load(ctx_ptr + i_b.to(gl.int64) * next_n + row1)
         else:
             n_ctx = gl.load(ctx_ptr + i_b)
-            vis0 = n_ctx - next_n + 1
-            vis1 = n_ctx - next_n + NP
+            vis0 = n_ctx - next_n + 1 + row0
+            vis1 = n_ctx - next_n + 1 + row1
         vis0 = gl.minimum(gl.maximum(vis0, 0), max_ctx)
         vis1 = gl.minimum(gl.maximum(vis1, 0), max_ctx)
         kmax = gl.minimum(gl.maximum(vis0, vis1), max_blocks * PAGE)
@@ -228,8 +228,8 @@ if gluon is not None:
 
         i_b = gl.program_id(0)
         i_c = gl.program_id(1)
-        vis0, vis1, c0, c1, n_tiles = _indexer_paged_gluon_window(ctx_ptr, i_b, i_c, next_n, max_ctx, max_blocks,
-                                                                  chunk, NP, PAGE, CTX_2D)
+        vis0, vis1, c0, c1, n_tiles = _indexer_paged_gluon_window(ctx_ptr, i_b, 0, NP - 1, i_c, next_n, max_ctx,
+                                                                  max_blocks, chunk, PAGE, CTX_2D)
         n_it = gl.cdiv(n_tiles, UNROLL) * UNROLL  # tiles the loop computes (the last ones may be padding)
         # tiles copied: every computed tile (TMA: each copy must be waited for), or the real ones
         # (cp.async: padding tiles are zero-filled without reading)
@@ -446,8 +446,8 @@ if gluon is not None:
         KQ_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         i_b = gl.program_id(0)
         i_c = gl.program_id(1)
-        vis0, vis1, c0, c1, n_tiles = _indexer_paged_gluon_window(ctx_ptr, i_b, i_c, next_n, max_ctx, max_blocks,
-                                                                  chunk, NP, PAGE, CTX_2D)
+        vis0, vis1, c0, c1, n_tiles = _indexer_paged_gluon_window(ctx_ptr, i_b, 0, NP - 1, i_c, next_n, max_ctx,
+                                                                  max_blocks, chunk, PAGE, CTX_2D)
         n_it = gl.cdiv(n_tiles, UNROLL) * UNROLL  # tiles computed (padding tiles read a valid page)
 
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D], KQ_SL)
