@@ -179,14 +179,16 @@ PAGED_GLUON_HEADS: frozenset[int] = frozenset(range(33, 65))
 
 
 # The mma.sync archs with e4m3 (sm_89 / 120 / 121), Gluon allowed: one query row per request with 17..64 heads and
-# two rows with 1..64 take the Gluon kernel of nsa_backend/kernels/indexer/sm89_gluon_paged.py (each row's q^T held
-# in the MMA operand's registers, e4m3 products on these archs, 4 cp.async buffers: 41-49 KiB, two programs per
-# SM). Under the sm120 proxy on an H100 (B 128, graph; fp16 products there) it read the cache at 0.765 / 0.847 /
-# 0.871 of the copy rate at 8K / 32K / 64K with one row of 64 heads, 0.737 / 0.812 / 0.835 with two rows of 32
-# and 0.770 / 0.858 / 0.878 with two of 16, against 0.562 / 0.613 / 0.630, 0.532 / 0.574 / 0.580 and 0.489 /
-# 0.530 / 0.537 for the tl entries of PAGED_SMALL_TUNED; one row of 32 heads 1.03x the tl entry, two rows of 64
-# (e4m3 products converted by ptxas) 1.02-1.05x (bench/results/h100-proxy-sm120/paged-mma-v2-rows). Chunks for
-# four programs per SM ran 0.96-1.00x. One row of up to 16 heads keeps the tl entries (not timed against them).
+# two to four rows with 1..64 take the Gluon kernel of nsa_backend/kernels/indexer/sm89_gluon_paged.py (two rows
+# per program, each row's q^T held in the MMA operand's registers, e4m3 products on these archs, 4 cp.async
+# buffers: 35-41 KiB, two programs per SM). Under the sm120 proxy on an H100 (B 128, graph; fp16 products there) it
+# read the cache at 0.754 / 0.836 / 0.854 of the copy rate at 8K / 32K / 64K with one row of 64 heads, 0.729 /
+# 0.806 / 0.823 with two rows of 32 and 0.760 / 0.836 / 0.855 with two of 16, against 0.568 / 0.616 / 0.627,
+# 0.534 / 0.573 / 0.581 and 0.488 / 0.528 / 0.533 for the tl entries of PAGED_SMALL_TUNED; one row of 32 heads
+# 1.02-1.03x the tl entry, two rows of 64 (e4m3 products converted by ptxas) 1.01-1.05x, three and four rows
+# 1.73-1.77x (64 heads), 2.39-2.54x (32) and 1.20-1.23x (16, four rows) (bench/results/h100-proxy-sm120/
+# paged-mma-v2-rows). Chunks for four programs per SM ran 0.95-1.00x. One row of up to 16 heads keeps the tl
+# entries (not timed against them).
 PAGED_MMA_V2_ARCHS: tuple[int, ...] = (89, 120, 121)
 PAGED_MMA_V2_HEADS: dict[int, frozenset[int]] = {
     1: frozenset(range(17, 65)), 2: frozenset(range(1, 65)), 3: frozenset(range(1, 65)), 4: frozenset(range(1, 65)),

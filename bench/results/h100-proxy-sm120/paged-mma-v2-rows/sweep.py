@@ -2,7 +2,7 @@
 
 One and two query rows, fp16 and e4m3 products, chunks planned for 2 or 4 programs per SM (B 128, CUDA graph,
 share of the copy rate); first the error against the reference on a small case of each. Ran on an NVIDIA H100
-80GB HBM3 (torch 2.11, triton 3.6) with the kernel of fe4ab53, output in sweep.jsonl:
+80GB HBM3 (torch 2.11, triton 3.6) with the kernels of 59650fe and 261f12b: sweep-<commit>.jsonl.
 
     DISABLE_MMA_V3=1 NSA_BACKEND_FORCE_ARCH=sm120 PYTHONPATH=$PWD \
         python bench/results/h100-proxy-sm120/paged-mma-v2-rows/sweep.py
