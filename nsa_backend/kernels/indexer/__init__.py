@@ -6,7 +6,7 @@ Variants (one module each):
   architecture and the CPU interpreter;
 - :mod:`.sm90_gluon_paged`: the paged logits as a Gluon kernel on sm_90 (taken by
   :func:`fp8_paged_mqa_logits_triton` where its ``supported`` accepts the call);
-- :mod:`.sm89_gluon_paged`: the paged logits of one or two query rows as a Gluon mma.sync kernel on sm_89 / 120 / 121
+- :mod:`.sm89_gluon_paged`: the paged logits of one to four query rows as a Gluon mma.sync kernel on sm_89 / 120 / 121
   (likewise);
 - :mod:`.fp4`: the DeepSeek-V4 indexer over an MXFP4 key cache (``tl``, every architecture).
 """
@@ -188,7 +188,7 @@ def fp8_paged_mqa_logits_triton(
     chunk : int, optional
         Keys per program overriding ``nsa_backend.configs.indexer.paged_chunk``. Without ``config``
         and ``chunk``, calls that ``nsa_backend.kernels.indexer.sm89_gluon_paged.supported`` accepts (sm_89 / 120
-        / 121 with Gluon, ``next_n`` 1 with 17..64 heads or 2 with 1..64) run that Gluon kernel, and calls that
+        / 121 with Gluon, ``next_n`` 1 with 17..64 heads or 2..4 with 1..64) run that Gluon kernel, and calls that
         ``nsa_backend.kernels.indexer.sm90_gluon_paged.supported`` accepts
         (sm_90, ``D`` 128, pages of 64 keys, the ``next_n`` and head counts of the Gluon tables in
         ``nsa_backend.configs.indexer``) run the Gluon kernel instead.

@@ -1,14 +1,14 @@
-"""Gluon paged indexer logits for the mma.sync archs with e4m3 (sm_89 / 120 / 121): one or two query rows.
+"""Gluon paged indexer logits for the mma.sync archs with e4m3 (sm_89 / 120 / 121): two query rows per program.
 
-:func:`fp8_paged_mqa_logits_mma_v2` computes :func:`nsa_backend.fp8_paged_mqa_logits` for ``D = 128``, pages
-of 64 keys and ``next_n`` 1 or 2; the launcher ``nsa_backend.kernels.indexer.fp8_paged_mqa_logits_triton``
-calls it where :func:`supported` says so (``configs.indexer.PAGED_MMA_V2_ARCHS`` / ``PAGED_MMA_V2_HEADS``: one
-row of 17..64 heads, two rows of 1..64) and keeps the ``tl`` kernel otherwise.
+:func:`fp8_paged_mqa_logits_mma_v2` computes :func:`nsa_backend.fp8_paged_mqa_logits` for ``D = 128`` and pages
+of 64 keys; the launcher ``nsa_backend.kernels.indexer.fp8_paged_mqa_logits_triton`` calls it where
+:func:`supported` says so (``configs.indexer.PAGED_MMA_V2_ARCHS`` / ``PAGED_MMA_V2_HEADS``: one row of 17..64
+heads, two to four rows of 1..64) and keeps the ``tl`` kernel otherwise.
 
     logits[t] = k_scale[t] * sum_h relu(q[h] . k[t]) * w[h]
 
-A program handles one request (all its rows) and one chunk of its keys, one page (64 keys) per tile, with
-four warps:
+A program handles two rows of one request (one where ``next_n`` is 1; at odd ``next_n`` the last row alone,
+computed twice) and one chunk of its keys, one page (64 keys) per tile, with four warps:
 
 - each row's ``q`` ``[HP, 128]`` is loaded once into the registers of the MMA's ``B`` operand (``q^T``),
   where it stays for the whole chunk: no shared-memory read of ``q`` per tile (in the ``tl`` kernel ``q`` is
@@ -220,8 +220,8 @@ def fp8_paged_mqa_logits_mma_v2(
 ) -> torch.Tensor:
     """Gluon :func:`nsa_backend.fp8_paged_mqa_logits` for the mma.sync archs (see :func:`supported`).
 
-    Same parameters and result as ``nsa_backend.kernels.indexer.fp8_paged_mqa_logits_triton`` (``next_n``
-    1 or 2; ``kv_cache`` 4-D). ``chunk`` (keys per program) overrides ``configs.indexer.paged_chunk``;
+    Same parameters and result as ``nsa_backend.kernels.indexer.fp8_paged_mqa_logits_triton`` (``kv_cache``
+    4-D). ``chunk`` (keys per program) overrides ``configs.indexer.paged_chunk``;
     ``e4m3`` (products in e4m3 rather than fp16) overrides :func:`e4m3_products`.
 
     Returns
