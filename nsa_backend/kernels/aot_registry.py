@@ -6,8 +6,9 @@ multiples of 16 (aligned pointers, strides). :func:`shipped_jobs` lists them per
 family; the ahead-of-time tests and ``python -m nsa_backend.kernels.aot_report`` (the committed
 registers / spills / shared-memory table) both compile from here.
 
-The mHC and indexer families also list their Gluon kernels for the mma.sync archs (``mhc/sm80_gluon.py``,
-``indexer/sm89_gluon_paged.py``) where this Triton has Gluon. The sm_90-only Gluon kernels
+The mHC, indexer and sparse MLA families also list their Gluon kernels for the mma.sync archs
+(``mhc/sm80_gluon.py``, ``indexer/sm89_gluon_paged.py``, ``sparse_mla_decode/sm89_gluon.py``) where this Triton has
+Gluon. The sm_90-only Gluon kernels
 (``sm90_gluon*.py``) are not listed: they have no path on other archs and their own sm_90 compile checks.
 """
 
@@ -32,6 +33,7 @@ from nsa_backend.kernels.indexer import fp4 as indexer_fp4
 from nsa_backend.kernels.indexer import portable as indexer
 from nsa_backend.kernels.indexer import sm89_gluon_paged as mma_v2_paged
 from nsa_backend.kernels.sparse_mla_decode import merge as decode_merge
+from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as mma_v2_decode
 from nsa_backend.kernels.sparse_mla_decode import v4 as sparse_mla_v4_decode
 from nsa_backend.kernels.sparse_mla_prefill import portable as sparse_mla_prefill
 from nsa_backend.kernels.topk import portable as topk
@@ -312,6 +314,8 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
             jobs.append(AotJob("sparse_mla", kind, label, arch, sparse_mla_prefill._sparse_mla_fwd_kernel,
                                _constexpr(sig, cx), cx, c.num_warps, c.num_stages, _div16(sig),
                                {"maxnreg": c.maxnreg} if c.maxnreg else {}))
+    if arch in mma_v2_decode.MMA_V2_DECODE_ARCHS and gluon_importable():
+        jobs.extend(_mma_v2_decode_jobs(arch))
     merge_sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
                  "lse_ptr": "*fp32", "h_q": "i32", "s_q": "i32", "num_splits": "i32"}
     for block_d in cfg_sparse_mla.MERGE_BLOCK_D_CHOICES:
@@ -322,6 +326,28 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
         jobs.append(AotJob("sparse_mla", "merge", f"BLOCK_D={block_d}", arch,
                            decode_merge._sparse_mla_decode_merge_kernel, sig, cx, cfg_sparse_mla.MERGE_NUM_WARPS,
                            1, _div16(sig)))
+    return jobs
+
+
+def _mma_v2_decode_jobs(arch: int) -> list[AotJob]:
+    """The Gluon fp8 decode of the mma.sync archs (``sparse_mla_decode/sm89_gluon.py``): split partials and final
+    outputs, with and without the power-of-two conversion."""
+    jobs = []
+    for split in (True, False):
+        for pow2 in (False, True):
+            sig = {"q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "sink_ptr": "*fp32", "topk_len_ptr": "*i32",
+                   "out_ptr": "*fp32" if split else "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+            for n in ("h_q topk n_slots keys_per_split rows_per_batch stride_q_row stride_q_head stride_idx_row "
+                      "stride_page stride_row stride_ob stride_or stride_os stride_oh stride_lb stride_lr stride_ls "
+                      "stride_lh").split():
+                sig[n] = "i32"
+            cx = dict(PAGE=64, BLOCK_H=mma_v2_decode.BLOCK_H, BLOCK_N=mma_v2_decode.BLOCK_N,
+                      STAGES=mma_v2_decode.STAGES, SPLIT=split, HAS_SINK=not split, HAS_TOPK_LEN=True,
+                      POW2_SCALES=pow2, NUM_WARPS=mma_v2_decode.NUM_WARPS)
+            label = (f"fp8 BLOCK_H={mma_v2_decode.BLOCK_H} BLOCK_N={mma_v2_decode.BLOCK_N} "
+                     f"stages={mma_v2_decode.STAGES} split={split}" + (" pow2" if pow2 else "") + " mma_v2")
+            jobs.append(AotJob("sparse_mla", "decode_mma_v2", label, arch, mma_v2_decode.kernel(), _constexpr(sig, cx),
+                               cx, mma_v2_decode.NUM_WARPS, 1, _div16(sig)))
     return jobs
 
 

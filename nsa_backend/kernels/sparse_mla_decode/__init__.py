@@ -23,6 +23,10 @@ rows, warpgroup MMAs; same merge kernel) unless a launch override is given or ``
 (warp-specialised, 64 heads per program) from ``GLUON_WS_DECODE_MIN_HEADS`` heads on where that module is
 ``ENABLED``.
 
+On sm_89 / 120 / 121 the "fp8_ds_mla" cache takes the mma.sync Gluon kernel of :mod:`.sm89_gluon` (32-head
+programs, ``q`` in registers, the keys converted once per tile) for the head counts of ``MMA_V2_DECODE_HEADS``
+unless a launch override is given or ``NSA_BACKEND_GLUON=0``; under the sm120 proxy an sm_90 GPU runs it.
+
 The DeepSeek-V4 cache (584-byte tokens, a second cache and index list) has its own ``tl`` kernel,
 :mod:`.v4` (its entry point is re-exported here).
 """
@@ -42,6 +46,7 @@ from nsa_backend.configs.sparse_mla import (
 from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._gluon import gluon_enabled
 from nsa_backend.kernels._launch import CachedLauncher, cdiv
+from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as mma_v2
 from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as ws
 from nsa_backend.kernels.sparse_mla_decode.merge import merge_pdl, merge_splits
 from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import (
@@ -70,6 +75,10 @@ GLUON_DECODE_HEADS: frozenset[int] = frozenset(range(1, 17))
 # program). H200, topk 2048: 0.72-0.84x FlashMLA at h_q 128 and 0.89-1.01x at h_q 64, against
 # 0.42-0.67x for the tl kernel; at h_q 32 (B 128) 121 against 267 us for the tl kernel.
 GLUON_WS_DECODE_MIN_HEADS = 17
+# Head counts whose fp8 decode takes the mma.sync Gluon kernel of ``sm89_gluon`` on sm_89 / 120 / 121 (32-head
+# programs). H100 under the sm_120 proxy, topk 2048, CUDA graphs, against the tl tile in the same run: 1.22-1.28x at
+# h_q 16, 1.02-1.07x at h_q 32 / 64 / 128 (bench/results/h100-proxy-sm120/decode-mma-v2).
+MMA_V2_DECODE_HEADS: frozenset[int] = frozenset(range(1, 129))
 
 
 def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: torch.device,
@@ -104,6 +113,15 @@ def _gluon_ws_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v
         return False
     arch = device_arch(q.device)
     return gluon_enabled(arch, ws.GLUON_WS_DECODE_ARCHS) and ws.supported(q, kv_cache, kv_format, d_v, arch)
+
+
+def _mma_v2_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int) -> bool:
+    """Whether the mma.sync Gluon kernel takes this call (sm_89 / 120 / 121, fp8 cache, a head count of
+    ``MMA_V2_DECODE_HEADS``)."""
+    if kv_format != "fp8_ds_mla" or q.shape[2] not in MMA_V2_DECODE_HEADS:
+        return False
+    arch = device_arch(q.device)
+    return gluon_enabled(arch, mma_v2.MMA_V2_DECODE_ARCHS) and mma_v2.supported(q, kv_cache, kv_format, d_v, arch)
 
 
 def sparse_mla_decode_triton(
@@ -164,6 +182,9 @@ def sparse_mla_decode_triton(
     if planned and _gluon_ws_route(q, kv_cache, kv_format, d_v):
         return sparse_mla_decode_gluon_ws(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
                                           topk_length, kv_scale_format=kv_scale_format)
+    if planned and _mma_v2_route(q, kv_cache, kv_format, d_v):
+        return mma_v2.sparse_mla_decode_mma_v2(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
+                                               topk_length, kv_scale_format=kv_scale_format)
     topk = indices.shape[-1]
     dev = q.device
     out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=dev)

@@ -1,0 +1,361 @@
+"""Gluon sparse MLA decode over the "fp8_ds_mla" cache for the mma.sync archs (sm_89 / 120 / 121).
+
+A program takes one query row ``(b, s)``, ``BLOCK_H = 32`` heads and one split of the row's top-k list
+(grid ``(head blocks, B * s_q, splits)``: the head blocks of a row are neighbours in the launch order and
+gather the same keys), ``BLOCK_N = 32`` slots per tile, eight warps:
+
+- the latent part of ``q`` (``[32, 512]``) is loaded once into the registers of the MMA's ``A`` operand, where
+  it stays for the whole split (the ``tl`` tile reads it from shared memory in every tile's product); its rope
+  part stays in shared memory (16 registers fewer, so that the score MMAs interleave);
+- the raw 656-byte rows of a tile (512 e4m3 bytes, four fp32 group scales, 64 bf16 rope values) come by
+  ``cp.async`` into a ring of ``STAGES`` buffers, ``STAGES - 1`` tiles ahead, from slots read one tile ahead of
+  their copies; invalid slots (``< 0``, ``>= num_blocks * page``, past ``topk_length`` or the split) are
+  zero-filled and their scores ``-inf``;
+- all threads convert a tile's latent bytes once into one bf16 key buffer (``bf16(e4m3 * scale)``, exactly
+  as the reference), which both products read;
+- the warps form a 2 x 4 grid over ``S [32 heads, 32 keys]``: warp ``(m, n)`` computes heads ``16 m ..`` and
+  keys ``8 n ..`` of the scores (four accumulators, one per latent group, so that the MMAs do not wait on each
+  other), and no score is summed across warps. The scores pass through shared memory once (one barrier): each
+  warp reads its head group's ``[16, 32]`` back in the layout of the ``A`` operand of ``P V``, and takes the
+  max, ``P`` and the row sums there. For ``O [32, 512] += P V`` warp ``(m, n)`` holds heads ``16 m ..`` and
+  every fourth 8-column slice of the latent dims. Three barriers per tile in all.
+
+Outputs follow ``_sparse_mla_fwd_kernel``: with one split the final bf16 ``out``, the natural-log ``lse``
+(``+inf`` for a row without a valid key) and ``attn_sink``; with several splits the normalised fp32
+partials and base-2 lse that the merge kernel combines.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from nsa_backend.configs.sparse_mla import decode_num_splits, split_keys
+from nsa_backend.kernels._arch import device_sms
+from nsa_backend.kernels._gluon import gluon_importable
+from nsa_backend.kernels._launch import cached_launcher
+from nsa_backend.kernels.sparse_mla_decode import sm90_gluon as sm90
+from nsa_backend.kernels.sparse_mla_decode.merge import merge_splits
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, pow2_dequant_ptx
+
+if gluon_importable():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    from nsa_backend.kernels._gluon import cp_async, cta_barrier
+else:  # pragma: no cover - the kernel is never launched without Gluon
+    gluon = None
+
+# Architectures the kernel is written for (mma.sync with the fp8 conversions).
+MMA_V2_DECODE_ARCHS: tuple[int, ...] = (89, 120, 121)
+BLOCK_H = 32
+BLOCK_N = 32
+NUM_WARPS = 8
+STAGES = 2
+# The power-of-two dequantisation with an fma (sm_80 on).
+_POW2_DEQUANT_PTX = triton.language.constexpr(pow2_dequant_ptx("fma"))
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _decode_mma_v2_rows(b_idx, n_slots, PAGE: gl.constexpr, stride_page, stride_row):
+        """Byte offsets of the cache rows of slots ``b_idx`` and their validity (page and row from the unsigned
+        slot: no sign fix-ups in the division)."""
+        m_n = (b_idx >= 0) & (b_idx < n_slots)
+        b_slot = gl.where(m_n, b_idx, 0).to(gl.uint32)
+        o_row = (b_slot // PAGE).to(gl.int64) * stride_page + (b_slot % PAGE).to(gl.int64) * stride_row
+        # the launcher checks that the cache and its strides are 16-byte aligned
+        return gl.multiple_of(o_row, 16), m_n
+
+    @gluon.jit
+    def _decode_mma_v2_slots(p_idx, n0, n_stop, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """The slots of the tile at ``n0`` (``-1`` past ``n_stop``) in the layouts of the three copies."""
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NUM_WARPS, 1], [1, 0])
+        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        o_l = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_LAT))
+        o_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_ROPE))
+        o_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_SC))
+        return (gl.load(p_idx + o_l, mask=o_l < n_stop, other=-1), gl.load(p_idx + o_r, mask=o_r < n_stop, other=-1),
+                gl.load(p_idx + o_s, mask=o_s < n_stop, other=-1))
+
+    @gluon.jit
+    def _decode_mma_v2_issue(kv_ptr, b_il, b_ir, b_is, n_slots, lat, sc, rope, PAGE: gl.constexpr,
+                             stride_page, stride_row, NUM_WARPS: gl.constexpr):
+        """``cp.async`` of the raw rows of the slots ``b_il`` / ``b_ir`` / ``b_is`` (one tile's slots in the layouts
+        of ``_decode_mma_v2_slots``, ``-1`` past its end) into one ring buffer; one commit group."""
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NUM_WARPS, 1], [1, 0])
+        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
+        o_row, m_n = _decode_mma_v2_rows(b_il, n_slots, PAGE, stride_page, stride_row)
+        c_lat = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT)), 0)
+        cp_async(lat, kv_ptr + gl.expand_dims(o_row, 1) + c_lat, mask=gl.expand_dims(m_n, 1))
+        o_row, m_n = _decode_mma_v2_rows(b_ir, n_slots, PAGE, stride_page, stride_row)
+        p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.bfloat16))
+        c_rp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
+        cp_async(rope, gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_n, 1))
+        o_row, m_n = _decode_mma_v2_rows(b_is, n_slots, PAGE, stride_page, stride_row)
+        p_sc = (kv_ptr + o_row + 512).to(gl.pointer_type(gl.float32))
+        c_sc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC)), 0)
+        cp_async(sc, gl.expand_dims(p_sc, 1) + c_sc, mask=gl.expand_dims(m_n, 1))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _decode_mma_v2_dequant(b_raw, b_sg, POW2_SCALES: gl.constexpr):
+        """``bf16(e4m3 * scale)`` (see ``sm90._sparse_mla_decode_gluon_dequant``; the power-of-two form with an
+        fma instead of the sm_90 bf16 multiply)."""
+        if POW2_SCALES:
+            b_s16 = (b_sg * 1.329227995784916e36).to(gl.bfloat16)  # scale * 2^120
+            return gl.inline_asm_elementwise(_POW2_DEQUANT_PTX, "=r,=r,r,r,r", [b_raw, b_s16], dtype=gl.bfloat16,
+                                             is_pure=True, pack=4)
+        return (b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg).to(gl.bfloat16)
+
+    @gluon.jit
+    def _decode_mma_v2_q(p_q, o_c, m_h, q_smem, OP_A: gl.constexpr):
+        """One ``[BLOCK_H, cols]`` slice of ``q`` into the ``A`` operand's registers (through ``q_smem``)."""
+        q_smem.store(gl.load(p_q + o_c, mask=m_h, other=0.0))
+        cta_barrier()
+        b_q = q_smem.load(OP_A)
+        cta_barrier()
+        return b_q
+
+    @gluon.jit
+    def _decode_mma_v2_store(p_out, b_acc, b_inv, m_h, SPLIT: gl.constexpr):
+        """Write one normalised ``[BLOCK_H, 128]`` block of ``O`` (fp32 partial or final bf16)."""
+        b_o = b_acc * b_inv
+        if SPLIT:
+            gl.store(p_out, b_o, mask=m_h)
+        else:
+            gl.store(p_out, b_o.to(gl.bfloat16), mask=m_h)
+
+    @gluon.jit
+    def _decode_mma_v2_kernel(
+        q_ptr, kv_ptr, idx_ptr, sink_ptr, topk_len_ptr,
+        out_ptr, lse_ptr,
+        qk_scale,
+        h_q, topk, n_slots, keys_per_split, rows_per_batch,
+        stride_q_row, stride_q_head, stride_idx_row,
+        stride_page, stride_row,
+        stride_ob, stride_or, stride_os, stride_oh,
+        stride_lb, stride_lr, stride_ls, stride_lh,
+        PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, POW2_SCALES: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+    ):
+        gl.static_assert(STAGES >= 2)
+        gl.static_assert(NUM_WARPS == 8)
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
+        OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+        L_DQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        # rows of 256 (keys, q) or 128 bytes (rope) in 16-byte vectors, swizzled over the eight bank groups
+        K_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL: gl.constexpr = gl.SliceLayout(0, MMA)
+        ROW_P: gl.constexpr = gl.SliceLayout(1, OP_A)
+
+        i_h = gl.program_id(0)
+        i_r = gl.program_id(1).to(gl.int64)
+        i_s = gl.program_id(2)
+        n_start, n_stop, n_tiles = sm90._sparse_mla_decode_gluon_key_range(topk_len_ptr, i_r // rows_per_batch, i_s,
+                                                                            topk, keys_per_split, BLOCK_N, HAS_TOPK_LEN)
+        p_idx = idx_ptr + i_r * stride_idx_row
+
+        lat_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
+        sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, 4], RAW)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], K_SL)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, 128], K_SL)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], K_SL)
+        s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], RAW)
+
+        for t in gl.static_range(STAGES - 1):
+            b_il, b_ir, b_is = _decode_mma_v2_slots(p_idx, n_start + t * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
+            _decode_mma_v2_issue(kv_ptr, b_il, b_ir, b_is, n_slots, lat_smem.index(t), sc_smem.index(t),
+                                 rope_smem.index(t), PAGE, stride_page, stride_row, NUM_WARPS)
+        # the slots of the next tile to copy and of the tile to score are read an iteration ahead
+        b_il, b_ir, b_is = _decode_mma_v2_slots(p_idx, n_start + (STAGES - 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
+
+        # ---- q: the latent part into the registers of the A operand (heads past h_q zero), through the first key
+        # buffer; the rope part stays in shared memory (16 registers fewer, and the score MMAs then interleave)
+        o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
+        m_hq = gl.expand_dims(o_h < h_q, 1)
+        p_q = q_ptr + i_r * stride_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
+        o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
+        q_buf = k_smem.index(0)
+        b_q0 = _decode_mma_v2_q(p_q, o_qc, m_hq, q_buf, OP_A)
+        b_q1 = _decode_mma_v2_q(p_q + 128, o_qc, m_hq, q_buf, OP_A)
+        b_q2 = _decode_mma_v2_q(p_q + 256, o_qc, m_hq, q_buf, OP_A)
+        b_q3 = _decode_mma_v2_q(p_q + 384, o_qc, m_hq, q_buf, OP_A)
+        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q)), 0)
+        qr_smem.store(gl.load(p_q + 512 + o_qr, mask=m_hq, other=0.0))
+
+        # running max (base 2) and sum of every head, in the layout of the rows of P
+        b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW_P)
+        b_l = gl.zeros([BLOCK_H], gl.float32, layout=ROW_P)
+        b_acc0 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+        b_acc1 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+        b_acc2 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+        b_acc3 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+        b_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
+        o_n = n_start + gl.arange(0, BLOCK_N, layout=COL)
+        b_idx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
+        for j in range(n_tiles):
+            st = j % STAGES
+            m_n = (b_idx >= 0) & (b_idx < n_slots)  # slots past n_stop were read as -1
+            o_n = o_n + BLOCK_N
+            b_idx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
+            async_copy.wait_group(STAGES - 2)
+            # tile j landed for every thread; every warp is done with tile j - 1: its keys, scores and buffer
+            cta_barrier()
+            jn = j + STAGES - 1
+            _decode_mma_v2_issue(kv_ptr, b_il, b_ir, b_is, n_slots, lat_smem.index(jn % STAGES),
+                                 sc_smem.index(jn % STAGES), rope_smem.index(jn % STAGES), PAGE, stride_page,
+                                 stride_row, NUM_WARPS)
+            b_il, b_ir, b_is = _decode_mma_v2_slots(p_idx, n_start + (jn + 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
+            lat = lat_smem.index(st)
+            sc = sc_smem.index(st)
+            for g in gl.static_range(4):
+                b_raw = lat.slice(g * 128, 128, dim=1).load(L_DQ)
+                b_sg = sc.slice(g, 1, dim=1).load(L_DQ)
+                k_smem.index(g).store(_decode_mma_v2_dequant(b_raw, b_sg, POW2_SCALES))
+            cta_barrier()
+            # S [BLOCK_H, BLOCK_N]: each warp its 16 heads x 8 keys, in four accumulators (one chain of 36
+            # dependent MMAs would wait on each MMA's latency)
+            b_s0 = mma_v2(b_q0, k_smem.index(0).permute((1, 0)).load(OP_B), b_zero)
+            b_s1 = mma_v2(b_q1, k_smem.index(1).permute((1, 0)).load(OP_B), b_zero)
+            b_s2 = mma_v2(b_q2, k_smem.index(2).permute((1, 0)).load(OP_B), b_zero)
+            b_s3 = mma_v2(b_q3, k_smem.index(3).permute((1, 0)).load(OP_B), b_zero)
+            b_s0 = mma_v2(qr_smem.load(OP_A), rope_smem.index(st).permute((1, 0)).load(OP_B), b_s0)
+            b_s = gl.where(gl.expand_dims(m_n, 0), ((b_s0 + b_s1) + (b_s2 + b_s3)) * qk_scale, float("-inf"))
+            # every warp of a head group reads the group's scores [16, BLOCK_N] back in the A operand's layout (one
+            # barrier); the max, P and the sums then stay inside the warp
+            s_smem.store(b_s)
+            cta_barrier()
+            b_sa = s_smem.load(OP_A)
+            b_m_new = gl.maximum(b_m, gl.max(b_sa, axis=1))
+            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+            b_p = gl.exp2(b_sa - gl.expand_dims(b_m_use, 1))
+            b_alpha = gl.exp2(b_m - b_m_use)
+            b_l = b_l * b_alpha + gl.sum(b_p, axis=1)
+            b_m = b_m_new
+            b_pa = b_p.to(gl.bfloat16)
+            b_alpha = gl.expand_dims(gl.convert_layout(b_alpha, ROW), 1)
+            # O [BLOCK_H, 512] += P V, V = the latent keys
+            b_acc0 = mma_v2(b_pa, k_smem.index(0).load(OP_B), b_acc0 * b_alpha)
+            b_acc1 = mma_v2(b_pa, k_smem.index(1).load(OP_B), b_acc1 * b_alpha)
+            b_acc2 = mma_v2(b_pa, k_smem.index(2).load(OP_B), b_acc2 * b_alpha)
+            b_acc3 = mma_v2(b_pa, k_smem.index(3).load(OP_B), b_acc3 * b_alpha)
+        async_copy.wait_group(0)
+        b_m = gl.convert_layout(b_m, ROW)
+        b_l = gl.convert_layout(b_l, ROW)
+        # (the row's batch and position from the program id again: fewer values live across the loop)
+        i_r = gl.program_id(1).to(gl.int64)
+        i_b = i_r // rows_per_batch
+        i_q = i_r % rows_per_batch
+
+        b_inv = sm90._sparse_mla_decode_gluon_lse(b_m, b_l, sink_ptr, lse_ptr, i_h, i_b, i_q, i_s, h_q, stride_lb,
+                                                  stride_lr, stride_ls, stride_lh, BLOCK_H, SPLIT, HAS_SINK, ROW)
+        b_inv = gl.expand_dims(b_inv, 1)
+        o_ho = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
+        m_ho = gl.expand_dims(o_ho < h_q, 1)
+        o_d = gl.expand_dims(gl.arange(0, 128, layout=COL), 0)
+        p_out = (out_ptr + i_b * stride_ob + i_q * stride_or + i_s * stride_os
+                 + gl.expand_dims(o_ho.to(gl.int64) * stride_oh, 1) + o_d)
+        _decode_mma_v2_store(p_out, b_acc0, b_inv, m_ho, SPLIT)
+        _decode_mma_v2_store(p_out + 128, b_acc1, b_inv, m_ho, SPLIT)
+        _decode_mma_v2_store(p_out + 256, b_acc2, b_inv, m_ho, SPLIT)
+        _decode_mma_v2_store(p_out + 384, b_acc3, b_inv, m_ho, SPLIT)
+
+
+def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int, arch: int | None) -> bool:
+    """Whether :func:`sparse_mla_decode_mma_v2` can run this call (the caller checks ``gluon_enabled``): the
+    fp8 cache, ``d_qk = 576``, ``d_v = 512``, 16-byte aligned cache rows and pages, an arch of
+    ``MMA_V2_DECODE_ARCHS``."""
+    if kv_format != "fp8_ds_mla" or q.shape[-1] != 576 or d_v != 512 or arch not in MMA_V2_DECODE_ARCHS:
+        return False
+    if kv_cache.data_ptr() % 16 or kv_cache.stride(0) % 16 or kv_cache.stride(1) % 16:
+        return False
+    return q.shape[2] > 0
+
+
+def plan(B: int, s_q: int, h_q: int, topk: int, num_sms: int,
+         num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, keys_per_split)``: one program fills an SM's shared memory, so the top-k list is split
+    until the programs of all rows and head blocks make one wave of one program per SM."""
+    if num_splits is None:
+        return decode_num_splits(B * s_q, triton.cdiv(h_q, BLOCK_H), topk, BLOCK_N, num_sms, programs_per_sm=1)
+    return split_keys(topk, num_splits, BLOCK_N)
+
+
+def sparse_mla_decode_mma_v2(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    kv_format: str = "fp8_ds_mla",
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    stages: int = STAGES,
+    kv_scale_format: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gluon :func:`nsa_backend.sparse_mla_decode` for the "fp8_ds_mla" cache on the mma.sync archs.
+
+    Same parameters and results as ``sparse_mla_decode_triton``; the inputs must pass :func:`supported`.
+    ``num_splits`` overrides the plan, ``stages`` the ring's depth; ``kv_scale_format="pow2"`` (the caller
+    guarantees power-of-two scales) converts the keys with fewer instructions (same keys).
+    """
+    B, s_q, h_q, _ = q.shape
+    topk = indices.shape[-1]
+    dev = q.device
+    out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(B, h_q, s_q, dtype=torch.float32, device=dev)
+    if B == 0:
+        return out, lse
+    if kv_cache.dim() == 3:
+        kv_cache = kv_cache.unsqueeze(2)
+    num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+    R = B * s_q
+    idx = indices.view(R, topk)
+    splits, per = plan(B, s_q, h_q, topk, device_sms(dev, 8), num_splits)
+    head_blocks = triton.cdiv(h_q, BLOCK_H)
+    common = dict(
+        PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=stages, HAS_SINK=attn_sink is not None,
+        HAS_TOPK_LEN=topk_length is not None, POW2_SCALES=kv_scale_format == "pow2", NUM_WARPS=NUM_WARPS,
+        num_warps=NUM_WARPS,
+    )
+    args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, per, s_q,
+            q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), kv_cache.stride(1))
+    launch = cached_launcher(_decode_mma_v2_kernel)
+    if splits == 1:
+        launch[(head_blocks, R, 1)](
+            q, kv_cache, idx, attn_sink, topk_length, out, lse, *args,
+            out.stride(0), out.stride(1), 0, out.stride(2),
+            lse.stride(0), lse.stride(2), 0, lse.stride(1),
+            SPLIT=False, **common,
+        )
+        return out, lse
+    part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
+    part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
+    launch[(head_blocks, R, splits)](
+        q, kv_cache, idx, None, topk_length, part_o, part_lse, *args,
+        s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        SPLIT=True, **{**common, "HAS_SINK": False},
+    )
+    merge_splits(part_o, part_lse, attn_sink, out, lse)
+    return out, lse
+
+
+def kernel():
+    """The Gluon kernel (ahead-of-time compiles)."""
+    return _decode_mma_v2_kernel
+
+
+__all__ = ["MMA_V2_DECODE_ARCHS", "kernel", "plan", "sparse_mla_decode_mma_v2", "supported"]
