@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proxy", metavar="ARCH", default=None, choices=PROXY_ARCHS,
                         help="on an sm_90 / sm_100 GPU, time the route of this mma.sync arch "
                              f"({', '.join(PROXY_ARCHS)}): its launch configurations and shared-memory budget, "
-                             "Triton's Hopper MMA disabled (DISABLE_MMA_V3=1), natives and Gluon off, limits "
+                             "Triton's Hopper MMA disabled (DISABLE_MMA_V3=1), natives off and only the Gluon "
+                             "kernels written for that arch routed, limits "
                              "from a Triton matmul under the same restriction, and a SASS check (sass.md); "
                              "default output bench/results/<gpu>-proxy-<arch>")
     parser.add_argument("--replot", metavar="PATH", default=None,

@@ -76,8 +76,9 @@ GLUON_DECODE_HEADS: frozenset[int] = frozenset(range(1, 17))
 # 0.42-0.67x for the tl kernel; at h_q 32 (B 128) 121 against 267 us for the tl kernel.
 GLUON_WS_DECODE_MIN_HEADS = 17
 # Head counts whose fp8 decode takes the mma.sync Gluon kernel of ``sm89_gluon`` on sm_89 / 120 / 121 (32-head
-# programs). H100 under the sm_120 proxy, topk 2048, CUDA graphs, against the tl tile in the same run: 1.22-1.28x at
-# h_q 16, 1.02-1.07x at h_q 32 / 64 / 128 (bench/results/h100-proxy-sm120/decode-mma-v2).
+# programs). H100 under the sm_120 proxy, topk 2048, B 32 / 128, s_q 1 / 2, CUDA graphs, against the tl tile in the
+# same run: 1.23-1.28x at h_q 16, 1.20-1.31x at 32, 1.11-1.22x at 64 / 128 (bench/results/h100-proxy-sm120/
+# decode-mma-v2).
 MMA_V2_DECODE_HEADS: frozenset[int] = frozenset(range(1, 129))
 
 
