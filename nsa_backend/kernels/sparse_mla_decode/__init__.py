@@ -77,8 +77,8 @@ GLUON_DECODE_HEADS: frozenset[int] = frozenset(range(1, 17))
 GLUON_WS_DECODE_MIN_HEADS = 17
 # Head counts whose fp8 decode takes the mma.sync Gluon kernel of ``sm89_gluon`` on sm_89 / 120 / 121 (32-head
 # programs). H100 under the sm_120 proxy, topk 2048, B 32 / 128, s_q 1 / 2, CUDA graphs, against the tl tile in the
-# same run: 1.23-1.28x at h_q 16, 1.20-1.31x at 32, 1.11-1.22x at 64 / 128 (bench/results/h100-proxy-sm120/
-# decode-mma-v2).
+# same run: 1.23-1.28x at h_q 16, 1.20-1.31x at 32, 1.11-1.22x at 64 / 128; 1.00-1.07x at 32-128 on another H100,
+# whose tl times were 13 % shorter (bench/results/h100-proxy-sm120/decode-mma-v2).
 MMA_V2_DECODE_HEADS: frozenset[int] = frozenset(range(1, 129))
 
 
