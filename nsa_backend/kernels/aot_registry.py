@@ -7,8 +7,8 @@ family; the ahead-of-time tests and ``python -m nsa_backend.kernels.aot_report``
 registers / spills / shared-memory table) both compile from here.
 
 The mHC, indexer and sparse MLA families also list their Gluon kernels for the mma.sync archs
-(``mhc/sm80_gluon.py``, ``indexer/sm89_gluon_paged.py``, ``sparse_mla_decode/sm89_gluon.py``) where this Triton has
-Gluon. The sm_90-only Gluon kernels
+(``mhc/sm80_gluon.py``, ``indexer/sm89_gluon_paged.py``, ``sparse_mla_prefill/sm80_gluon.py``,
+``sparse_mla_decode/sm89_gluon.py``) where this Triton has Gluon. The sm_90-only Gluon kernels
 (``sm90_gluon*.py``) are not listed: they have no path on other archs and their own sm_90 compile checks.
 """
 
@@ -36,6 +36,7 @@ from nsa_backend.kernels.sparse_mla_decode import merge as decode_merge
 from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as mma_v2_decode
 from nsa_backend.kernels.sparse_mla_decode import v4 as sparse_mla_v4_decode
 from nsa_backend.kernels.sparse_mla_prefill import portable as sparse_mla_prefill
+from nsa_backend.kernels.sparse_mla_prefill import sm80_gluon as mma_v2_prefill
 from nsa_backend.kernels.topk import portable as topk
 
 T = TypeVar("T")
@@ -314,6 +315,8 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
             jobs.append(AotJob("sparse_mla", kind, label, arch, sparse_mla_prefill._sparse_mla_fwd_kernel,
                                _constexpr(sig, cx), cx, c.num_warps, c.num_stages, _div16(sig),
                                {"maxnreg": c.maxnreg} if c.maxnreg else {}))
+    if arch in mma_v2_prefill.MMA_V2_PREFILL_ARCHS and gluon_importable():
+        jobs.append(_mma_v2_prefill_job(arch))
     if arch in mma_v2_decode.MMA_V2_DECODE_ARCHS and gluon_importable():
         jobs.extend(_mma_v2_decode_jobs(arch))
     merge_sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
@@ -327,6 +330,21 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
                            decode_merge._sparse_mla_decode_merge_kernel, sig, cx, cfg_sparse_mla.MERGE_NUM_WARPS,
                            1, _div16(sig)))
     return jobs
+
+
+def _mma_v2_prefill_job(arch: int) -> AotJob:
+    """The Gluon bf16 prefill of the mma.sync archs (``sparse_mla_prefill/sm80_gluon.py``) with a sink and
+    ``topk_length``."""
+    sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32", "topk_len_ptr": "*i32",
+           "out_ptr": "*bf16", "lse_ptr": "*fp32", "max_ptr": "*fp32", "qk_scale": "fp32"}
+    for n in ("h_q topk s_kv stride_q_row stride_q_head stride_idx_row stride_kv stride_o_row stride_o_head "
+              "stride_l_row").split():
+        sig[n] = "i32"
+    cx = mma_v2_prefill.constexprs(True, True)
+    label = (f"bf16 BLOCK_H={mma_v2_prefill.BLOCK_H} BLOCK_N={mma_v2_prefill.BLOCK_N} "
+             f"stages={mma_v2_prefill.STAGES} mma_v2")
+    return AotJob("sparse_mla", "prefill_mma_v2", label, arch, mma_v2_prefill.kernel(), _constexpr(sig, cx), cx,
+                  mma_v2_prefill.NUM_WARPS, 1, (*_div16(sig), "stride_kv", "stride_o_row", "stride_o_head"))
 
 
 def _mma_v2_decode_jobs(arch: int) -> list[AotJob]:

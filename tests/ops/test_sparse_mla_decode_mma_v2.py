@@ -54,6 +54,9 @@ def test_support_rules():
     assert not G.supported(torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16), cache, "fp8_ds_mla", 448, 120)
     spaced = torch.zeros(4, 65 * 656 + 8, dtype=torch.uint8)[:, : 64 * 656].view(4, 64, 656)
     assert not G.supported(q, spaced, "fp8_ds_mla", 512, 120)
+    rows = torch.zeros(G.MAX_ROWS + 1, 1, 1, 576, dtype=torch.bfloat16).expand(G.MAX_ROWS + 1, 1, 64, 576)
+    assert not G.supported(rows, cache, "fp8_ds_mla", 512, 120)
+    assert G.supported(rows[: G.MAX_ROWS], cache, "fp8_ds_mla", 512, 120)
 
 
 def test_plan_is_shape_only():

@@ -18,7 +18,8 @@ gather the same keys), ``BLOCK_N = 32`` slots per tile, eight warps:
   other), and no score is summed across warps. The scores pass through shared memory once (one barrier): each
   warp reads its head group's ``[16, 32]`` back in the layout of the ``A`` operand of ``P V``, and takes the
   max, ``P`` and the row sums there. For ``O [32, 512] += P V`` warp ``(m, n)`` holds heads ``16 m ..`` and
-  every fourth 8-column slice of the latent dims. Three barriers per tile in all.
+  every fourth 8-column slice of the latent dims. Three barriers per tile in all. The products and the softmax
+  are ``mma_v2_attend_tile`` of ``sparse_mla_prefill/sm80_gluon.py``, which the bf16 prefill shares.
 
 Outputs follow ``_sparse_mla_fwd_kernel``: with one split the final bf16 ``out``, the natural-log ``lse``
 (``+inf`` for a row without a valid key) and ``attn_sink``; with several splits the normalised fp32
@@ -41,9 +42,10 @@ from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, pow2_dequant_pt
 if gluon_importable():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     from nsa_backend.kernels._gluon import cp_async, cta_barrier
+    from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import mma_v2_attend_tile, mma_v2_load_q
 else:  # pragma: no cover - the kernel is never launched without Gluon
     gluon = None
 
@@ -53,6 +55,8 @@ BLOCK_H = 32
 BLOCK_N = 32
 NUM_WARPS = 8
 STAGES = 2
+# Query rows a launch takes: the rows are the grid's second dimension.
+MAX_ROWS = 65535
 # The power-of-two dequantisation with an fma (sm_80 on).
 _POW2_DEQUANT_PTX = triton.language.constexpr(pow2_dequant_ptx("fma"))
 
@@ -113,15 +117,6 @@ if gluon is not None:
         return (b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg).to(gl.bfloat16)
 
     @gluon.jit
-    def _decode_mma_v2_q(p_q, o_c, m_h, q_smem, OP_A: gl.constexpr):
-        """One ``[BLOCK_H, cols]`` slice of ``q`` into the ``A`` operand's registers (through ``q_smem``)."""
-        q_smem.store(gl.load(p_q + o_c, mask=m_h, other=0.0))
-        cta_barrier()
-        b_q = q_smem.load(OP_A)
-        cta_barrier()
-        return b_q
-
-    @gluon.jit
     def _decode_mma_v2_store(p_out, b_acc, b_inv, m_h, SPLIT: gl.constexpr):
         """Write one normalised ``[BLOCK_H, 128]`` block of ``O`` (fp32 partial or final bf16)."""
         b_o = b_acc * b_inv
@@ -148,7 +143,6 @@ if gluon is not None:
         gl.static_assert(NUM_WARPS == 8)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
         L_DQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
         RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
@@ -186,10 +180,10 @@ if gluon is not None:
         p_q = q_ptr + i_r * stride_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
         o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
         q_buf = k_smem.index(0)
-        b_q0 = _decode_mma_v2_q(p_q, o_qc, m_hq, q_buf, OP_A)
-        b_q1 = _decode_mma_v2_q(p_q + 128, o_qc, m_hq, q_buf, OP_A)
-        b_q2 = _decode_mma_v2_q(p_q + 256, o_qc, m_hq, q_buf, OP_A)
-        b_q3 = _decode_mma_v2_q(p_q + 384, o_qc, m_hq, q_buf, OP_A)
+        b_q0 = mma_v2_load_q(p_q, o_qc, m_hq, q_buf, OP_A)
+        b_q1 = mma_v2_load_q(p_q + 128, o_qc, m_hq, q_buf, OP_A)
+        b_q2 = mma_v2_load_q(p_q + 256, o_qc, m_hq, q_buf, OP_A)
+        b_q3 = mma_v2_load_q(p_q + 384, o_qc, m_hq, q_buf, OP_A)
         o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q)), 0)
         qr_smem.store(gl.load(p_q + 512 + o_qr, mask=m_hq, other=0.0))
 
@@ -223,32 +217,9 @@ if gluon is not None:
                 b_sg = sc.slice(g, 1, dim=1).load(L_DQ)
                 k_smem.index(g).store(_decode_mma_v2_dequant(b_raw, b_sg, POW2_SCALES))
             cta_barrier()
-            # S [BLOCK_H, BLOCK_N]: each warp its 16 heads x 8 keys, in four accumulators (one chain of 36
-            # dependent MMAs would wait on each MMA's latency)
-            b_s0 = mma_v2(b_q0, k_smem.index(0).permute((1, 0)).load(OP_B), b_zero)
-            b_s1 = mma_v2(b_q1, k_smem.index(1).permute((1, 0)).load(OP_B), b_zero)
-            b_s2 = mma_v2(b_q2, k_smem.index(2).permute((1, 0)).load(OP_B), b_zero)
-            b_s3 = mma_v2(b_q3, k_smem.index(3).permute((1, 0)).load(OP_B), b_zero)
-            b_s0 = mma_v2(qr_smem.load(OP_A), rope_smem.index(st).permute((1, 0)).load(OP_B), b_s0)
-            b_s = gl.where(gl.expand_dims(m_n, 0), ((b_s0 + b_s1) + (b_s2 + b_s3)) * qk_scale, float("-inf"))
-            # every warp of a head group reads the group's scores [16, BLOCK_N] back in the A operand's layout (one
-            # barrier); the max, P and the sums then stay inside the warp
-            s_smem.store(b_s)
-            cta_barrier()
-            b_sa = s_smem.load(OP_A)
-            b_m_new = gl.maximum(b_m, gl.max(b_sa, axis=1))
-            b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-            b_p = gl.exp2(b_sa - gl.expand_dims(b_m_use, 1))
-            b_alpha = gl.exp2(b_m - b_m_use)
-            b_l = b_l * b_alpha + gl.sum(b_p, axis=1)
-            b_m = b_m_new
-            b_pa = b_p.to(gl.bfloat16)
-            b_alpha = gl.expand_dims(gl.convert_layout(b_alpha, ROW), 1)
-            # O [BLOCK_H, 512] += P V, V = the latent keys
-            b_acc0 = mma_v2(b_pa, k_smem.index(0).load(OP_B), b_acc0 * b_alpha)
-            b_acc1 = mma_v2(b_pa, k_smem.index(1).load(OP_B), b_acc1 * b_alpha)
-            b_acc2 = mma_v2(b_pa, k_smem.index(2).load(OP_B), b_acc2 * b_alpha)
-            b_acc3 = mma_v2(b_pa, k_smem.index(3).load(OP_B), b_acc3 * b_alpha)
+            b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
+                b_q0, b_q1, b_q2, b_q3, k_smem.index(0), k_smem.index(1), k_smem.index(2), k_smem.index(3), qr_smem,
+                rope_smem.index(st), s_smem, m_n, b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA)
         async_copy.wait_group(0)
         b_m = gl.convert_layout(b_m, ROW)
         b_l = gl.convert_layout(b_l, ROW)
@@ -274,8 +245,10 @@ if gluon is not None:
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int, arch: int | None) -> bool:
     """Whether :func:`sparse_mla_decode_mma_v2` can run this call (the caller checks ``gluon_enabled``): the
     fp8 cache, ``d_qk = 576``, ``d_v = 512``, 16-byte aligned cache rows and pages, an arch of
-    ``MMA_V2_DECODE_ARCHS``."""
+    ``MMA_V2_DECODE_ARCHS``, at most ``MAX_ROWS`` query rows ``B * s_q`` (the grid's second dimension)."""
     if kv_format != "fp8_ds_mla" or q.shape[-1] != 576 or d_v != 512 or arch not in MMA_V2_DECODE_ARCHS:
+        return False
+    if q.shape[0] * q.shape[1] > MAX_ROWS:
         return False
     if kv_cache.data_ptr() % 16 or kv_cache.stride(0) % 16 or kv_cache.stride(1) % 16:
         return False

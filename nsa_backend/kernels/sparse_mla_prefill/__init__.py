@@ -6,6 +6,8 @@ Variants (one module each):
   launches it too);
 - :mod:`.sm90_gluon`: a Gluon kernel for sm_90, 64 heads per program (``h_q >= 17``);
 - :mod:`.sm90_gluon_fewhead`: a Gluon kernel for sm_90 and few heads (``h_q <= 32``);
+- :mod:`.sm80_gluon`: a Gluon mma.sync kernel for sm_80 / 86 / 89 / 120 / 121 (32 heads per program, ``q`` in
+  registers), for the head counts of ``MMA_V2_PREFILL_HEADS``; under the sm120 proxy an sm_90 GPU runs it;
 - :mod:`.common`: host-side pieces the variants share.
 """
 
@@ -16,12 +18,16 @@ import triton
 
 from nsa_backend.configs.sparse_mla import AttnConfig, heads_per_program, prefill_config
 from nsa_backend.kernels._arch import device_arch
+from nsa_backend.kernels.sparse_mla_prefill import sm80_gluon as mma_v2
 from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon as gluon_prefill
 from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon_fewhead as gluon_fewhead
 from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, fp8_native, prefill_outputs
 from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_fwd_kernel
 
-__all__ = ["flash_mla_sparse_fwd_triton"]
+__all__ = ["MMA_V2_PREFILL_HEADS", "flash_mla_sparse_fwd_triton"]
+
+# Head counts whose bf16 prefill takes the mma.sync Gluon kernel of ``sm80_gluon`` on its archs (32-head programs).
+MMA_V2_PREFILL_HEADS: frozenset[int] = frozenset(range(1, 129))
 
 
 def flash_mla_sparse_fwd_triton(
@@ -59,7 +65,9 @@ def flash_mla_sparse_fwd_triton(
         ``nsa_backend.kernels.sparse_mla_prefill.sm90_gluon_fewhead.supported`` accepts (sm_90, bf16, ``d_qk``
         576, ``h_q <= 32``, when enabled) run the few-head Gluon kernel, and calls that
         ``nsa_backend.kernels.sparse_mla_prefill.sm90_gluon.supported`` accepts (sm_90, bf16, ``d_qk`` 576,
-        ``h_q >= 17``) the 64-head Gluon kernel.
+        ``h_q >= 17``) the 64-head Gluon kernel, and calls of ``MMA_V2_PREFILL_HEADS`` heads that
+        ``nsa_backend.kernels.sparse_mla_prefill.sm80_gluon.supported`` accepts (sm_80 / 86 / 89 / 120 / 121,
+        bf16, ``d_qk`` 576) the mma.sync Gluon kernel.
 
     Returns
     -------
@@ -75,6 +83,8 @@ def flash_mla_sparse_fwd_triton(
         if gluon_prefill.supported(q, kv, d_v, arch):
             return gluon_prefill.flash_mla_sparse_fwd_gluon(q, kv, indices, sm_scale, d_v, attn_sink,
                                                             topk_length)
+        if q.shape[1] in MMA_V2_PREFILL_HEADS and mma_v2.supported(q, kv, d_v, arch):
+            return mma_v2.flash_mla_sparse_fwd_mma_v2(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
     topk = indices.shape[-1]

@@ -1,0 +1,305 @@
+"""Gluon sparse MLA prefill for the mma.sync archs (sm_80 / 86 / 89 / 120 / 121): bf16 keys, ``q`` in registers.
+
+:func:`flash_mla_sparse_fwd_mma_v2` computes :func:`nsa_backend.flash_mla_sparse_fwd` for bf16 ``q`` / ``kv``
+with ``d_qk`` 576 (512 latent + 64 rope) and ``d_v`` 512 within 99 KiB of shared memory. A program takes one
+query row, ``BLOCK_H = 32`` heads (a one-dimensional grid of ``s_q * head blocks`` programs: the head blocks of a
+row are neighbours in the launch order and gather the same keys) and walks the row's top-k list ``BLOCK_N = 32``
+keys at a time with eight warps:
+
+- the latent part of ``q`` (``[32, 512]``) is loaded once into the registers of the MMA's ``A`` operand and
+  stays there; its rope part stays in shared memory;
+- the bf16 key rows of a tile come by ``cp.async`` into a ring of ``STAGES`` buffers (four ``[32, 128]``
+  latent groups and the ``[32, 64]`` rope part each), ``STAGES - 1`` tiles ahead; invalid slots (``< 0``,
+  ``>= s_kv``, past ``topk_length``) are zero-filled and their scores ``-inf``. Both products read the ring
+  buffer itself: there is no conversion, so a tile takes two barriers;
+- :func:`mma_v2_attend_tile` (shared with the fp8 decode of ``sparse_mla_decode/sm89_gluon.py``) computes the
+  scores, the online softmax and ``O += P V`` of one tile: the warps form a 2 x 4 grid over
+  ``S [32 heads, 32 keys]``, four score accumulators (one per latent group), the scores pass through shared
+  memory once and each warp reads its head group's ``[16, 32]`` back in the layout of ``P``'s operand.
+
+Outputs follow the op exactly: natural-log ``lse`` (``+inf`` and ``out = 0`` for a row without a valid key),
+``max_logits`` (``-inf`` then), ``attn_sink`` scaling by ``1 / (1 + exp(sink - lse))``, ``topk_length``
+(``[s_q]``) truncating each row's list.
+
+Shared memory with two stages: keys 64 KiB + rope 8 KiB + ``q`` rope 4 KiB + scores 4 KiB = 80 KiB.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
+from nsa_backend.kernels._launch import cached_launcher
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, prefill_outputs
+
+if gluon_importable():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    from nsa_backend.kernels._gluon import cp_async, cta_barrier
+else:  # pragma: no cover - the kernel is never launched without Gluon
+    gluon = None
+
+# Architectures the kernel is written for (mma.sync, bf16 keys, 99 KiB of shared memory per block or more).
+MMA_V2_PREFILL_ARCHS: tuple[int, ...] = (80, 86, 89, 120, 121)
+BLOCK_H = 32
+BLOCK_N = 32
+NUM_WARPS = 8
+STAGES = 2
+D_QK = 576
+D_V = 512
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def mma_v2_load_q(p_q, o_c, m_h, q_smem, OP_A: gl.constexpr):
+        """One ``[BLOCK_H, cols]`` slice of ``q`` into the ``A`` operand's registers (through ``q_smem``)."""
+        q_smem.store(gl.load(p_q + o_c, mask=m_h, other=0.0))
+        cta_barrier()
+        b_q = q_smem.load(OP_A)
+        cta_barrier()
+        return b_q
+
+    @gluon.jit
+    def mma_v2_attend_tile(b_q0, b_q1, b_q2, b_q3, k0, k1, k2, k3, qr_smem, kr, s_smem, m_n, b_m, b_l,
+                           b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA: gl.constexpr):
+        """One key tile of the online softmax for ``[32, 576]`` heads of ``q`` on a ``2 x 4`` mma.sync grid.
+
+        ``b_q0..3``: the latent part of ``q`` in the ``A`` operand's registers, 128 dims each; ``k0..3``: the
+        tile's latent keys ``[BLOCK_N, 128]`` in shared memory (also ``V``); ``qr_smem`` / ``kr``: the rope parts
+        of ``q`` and of the keys; ``s_smem``: ``[BLOCK_H, BLOCK_N]`` fp32 for the score exchange; ``m_n``: the
+        valid keys (``COL`` of ``MMA``); ``b_m`` / ``b_l``: running max (base 2) and sum in the row layout of the
+        ``A`` operand; ``b_acc0..3``: ``O`` in ``MMA``. Returns the updated ``b_m, b_l, b_acc0..3``.
+        """
+        OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        # S: each warp its 16 heads x 8 keys, in four accumulators (one chain of 36 dependent MMAs would wait on
+        # each MMA's latency)
+        b_s0 = mma_v2(b_q0, k0.permute((1, 0)).load(OP_B), b_zero)
+        b_s1 = mma_v2(b_q1, k1.permute((1, 0)).load(OP_B), b_zero)
+        b_s2 = mma_v2(b_q2, k2.permute((1, 0)).load(OP_B), b_zero)
+        b_s3 = mma_v2(b_q3, k3.permute((1, 0)).load(OP_B), b_zero)
+        b_s0 = mma_v2(qr_smem.load(OP_A), kr.permute((1, 0)).load(OP_B), b_s0)
+        b_s = gl.where(gl.expand_dims(m_n, 0), ((b_s0 + b_s1) + (b_s2 + b_s3)) * qk_scale, float("-inf"))
+        # every warp of a head group reads the group's scores [16, BLOCK_N] back in the A operand's layout (one
+        # barrier); the max, P and the sums then stay inside the warp
+        s_smem.store(b_s)
+        cta_barrier()
+        b_sa = s_smem.load(OP_A)
+        b_m_new = gl.maximum(b_m, gl.max(b_sa, axis=1))
+        b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = gl.exp2(b_sa - gl.expand_dims(b_m_use, 1))
+        b_alpha = gl.exp2(b_m - b_m_use)
+        b_l = b_l * b_alpha + gl.sum(b_p, axis=1)
+        b_pa = b_p.to(gl.bfloat16)
+        b_alpha = gl.expand_dims(gl.convert_layout(b_alpha, ROW), 1)
+        # O [BLOCK_H, 512] += P V, V = the latent keys
+        b_acc0 = mma_v2(b_pa, k0.load(OP_B), b_acc0 * b_alpha)
+        b_acc1 = mma_v2(b_pa, k1.load(OP_B), b_acc1 * b_alpha)
+        b_acc2 = mma_v2(b_pa, k2.load(OP_B), b_acc2 * b_alpha)
+        b_acc3 = mma_v2(b_pa, k3.load(OP_B), b_acc3 * b_alpha)
+        return b_m_new, b_l, b_acc0, b_acc1, b_acc2, b_acc3
+
+    @gluon.jit
+    def _prefill_mma_v2_slots(p_idx, n0, n_end, BLOCK_N: gl.constexpr, L_ROW: gl.constexpr):
+        """The slots of the tile at ``n0`` (``-1`` past ``n_end``) in the layout of the copies' rows."""
+        o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_ROW))
+        return gl.load(p_idx + o_n, mask=o_n < n_end, other=-1)
+
+    @gluon.jit
+    def _prefill_mma_v2_issue(kv_ptr, b_slot, s_kv, stride_kv, k_ring, kr_ring, st, L_ROW: gl.constexpr):
+        """``cp.async`` of the bf16 rows of ``b_slot`` into ring buffer ``st`` (four latent groups and the rope
+        part; invalid slots zero-filled, never dereferenced); one commit group."""
+        m_n = (b_slot >= 0) & (b_slot < s_kv)
+        p_row = gl.expand_dims(kv_ptr + gl.where(m_n, b_slot, 0).to(gl.int64) * stride_kv, 1)
+        m_row = gl.expand_dims(m_n, 1)
+        o_c = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_ROW)), 0)
+        for g in gl.static_range(4):
+            cp_async(k_ring.index(st * 4 + g), p_row + g * 128 + o_c, mask=m_row)
+        o_cr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROW)), 0)
+        cp_async(kr_ring.index(st), p_row + 512 + o_cr, mask=m_row)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _prefill_mma_v2_kernel(
+        q_ptr, kv_ptr, idx_ptr, sink_ptr, topk_len_ptr,
+        out_ptr, lse_ptr, max_ptr,
+        qk_scale,
+        h_q, topk, s_kv,
+        stride_q_row, stride_q_head, stride_idx_row, stride_kv,
+        stride_o_row, stride_o_head, stride_l_row,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):
+        gl.static_assert(STAGES >= 2)
+        gl.static_assert(NUM_WARPS == 8)
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
+        OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+        # copies: 16 bytes a thread, a [32, 64] block per pass
+        L_ROW: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        # rows of 256 (keys, q) or 128 bytes (rope) in 16-byte vectors, swizzled over the eight bank groups
+        K_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL: gl.constexpr = gl.SliceLayout(0, MMA)
+        ROW_P: gl.constexpr = gl.SliceLayout(1, OP_A)
+
+        n_hb = gl.cdiv(h_q, BLOCK_H)
+        i_h = gl.program_id(0) % n_hb
+        i_r = (gl.program_id(0) // n_hb).to(gl.int64)
+        n_end = topk
+        if HAS_TOPK_LEN:
+            n_end = gl.minimum(gl.maximum(gl.load(topk_len_ptr + i_r), 0), topk)
+        n_tiles = gl.cdiv(n_end, BLOCK_N)
+        p_idx = idx_ptr + i_r * stride_idx_row
+
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, BLOCK_N, 128], K_SL)
+        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], K_SL)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], K_SL)
+        s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], RAW)
+
+        for t in gl.static_range(STAGES - 1):
+            b_slot = _prefill_mma_v2_slots(p_idx, t * BLOCK_N, n_end, BLOCK_N, L_ROW)
+            _prefill_mma_v2_issue(kv_ptr, b_slot, s_kv, stride_kv, k_smem, kr_smem, t, L_ROW)
+        # the slots of the next tile to copy are read an iteration ahead
+        b_slot = _prefill_mma_v2_slots(p_idx, (STAGES - 1) * BLOCK_N, n_end, BLOCK_N, L_ROW)
+
+        # ---- q: the latent part into the registers of the A operand (heads past h_q zero), through the last ring
+        # buffer (its first copy is issued in the loop); the rope part stays in shared memory
+        o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
+        m_hq = gl.expand_dims(o_h < h_q, 1)
+        p_q = q_ptr + i_r * stride_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
+        o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
+        q_buf = k_smem.index((STAGES - 1) * 4)
+        b_q0 = mma_v2_load_q(p_q, o_qc, m_hq, q_buf, OP_A)
+        b_q1 = mma_v2_load_q(p_q + 128, o_qc, m_hq, q_buf, OP_A)
+        b_q2 = mma_v2_load_q(p_q + 256, o_qc, m_hq, q_buf, OP_A)
+        b_q3 = mma_v2_load_q(p_q + 384, o_qc, m_hq, q_buf, OP_A)
+        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q)), 0)
+        qr_smem.store(gl.load(p_q + 512 + o_qr, mask=m_hq, other=0.0))
+
+        b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW_P)
+        b_l = gl.zeros([BLOCK_H], gl.float32, layout=ROW_P)
+        b_acc0 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+        b_acc1 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+        b_acc2 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+        b_acc3 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+        b_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
+        o_n = gl.arange(0, BLOCK_N, layout=COL)
+        b_idx = gl.load(p_idx + o_n, mask=o_n < n_end, other=-1)
+        for j in range(n_tiles):
+            st = j % STAGES
+            m_n = (b_idx >= 0) & (b_idx < s_kv)  # slots past n_end were read as -1
+            o_n = o_n + BLOCK_N
+            b_idx = gl.load(p_idx + o_n, mask=o_n < n_end, other=-1)
+            async_copy.wait_group(STAGES - 2)
+            # tile j landed for every thread; every warp is done with tile j - 1: its buffer and scores
+            cta_barrier()
+            jn = j + STAGES - 1
+            _prefill_mma_v2_issue(kv_ptr, b_slot, s_kv, stride_kv, k_smem, kr_smem, jn % STAGES, L_ROW)
+            b_slot = _prefill_mma_v2_slots(p_idx, (jn + 1) * BLOCK_N, n_end, BLOCK_N, L_ROW)
+            b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
+                b_q0, b_q1, b_q2, b_q3, k_smem.index(st * 4), k_smem.index(st * 4 + 1), k_smem.index(st * 4 + 2),
+                k_smem.index(st * 4 + 3), qr_smem, kr_smem.index(st), s_smem, m_n, b_m, b_l,
+                b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA)
+        async_copy.wait_group(0)
+
+        # ---- epilogue: lse (natural log, +inf without keys), max_logits, the sink's share, out
+        b_m = gl.convert_layout(b_m, ROW)
+        b_l = gl.convert_layout(b_l, ROW)
+        m_empty = b_l == 0.0
+        b_inv = 1.0 / gl.where(m_empty, 1.0, b_l)
+        b_lse = gl.where(m_empty, float("inf"), (b_m + gl.log2(gl.where(m_empty, 1.0, b_l))) * 0.6931471805599453)
+        i_r = (gl.program_id(0) // n_hb).to(gl.int64)
+        o_ho = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
+        m_h = o_ho < h_q
+        if HAS_SINK:
+            b_sink = gl.load(sink_ptr + o_ho, mask=m_h, other=0.0)
+            # exp(lse) / (exp(lse) + exp(sink)); rows without keys have out = 0 already
+            b_inv = b_inv / (1.0 + gl.exp(b_sink - gl.where(m_empty, 0.0, b_lse)))
+        o_l = i_r * stride_l_row + o_ho
+        gl.store(lse_ptr + o_l, b_lse, mask=m_h)
+        gl.store(max_ptr + o_l, b_m * 0.6931471805599453, mask=m_h)
+        b_inv = gl.expand_dims(b_inv, 1)
+        m_ho = gl.expand_dims(m_h, 1)
+        o_d = gl.expand_dims(gl.arange(0, 128, layout=COL), 0)
+        p_out = out_ptr + i_r * stride_o_row + gl.expand_dims(o_ho.to(gl.int64) * stride_o_head, 1) + o_d
+        gl.store(p_out, (b_acc0 * b_inv).to(gl.bfloat16), mask=m_ho)
+        gl.store(p_out + 128, (b_acc1 * b_inv).to(gl.bfloat16), mask=m_ho)
+        gl.store(p_out + 256, (b_acc2 * b_inv).to(gl.bfloat16), mask=m_ho)
+        gl.store(p_out + 384, (b_acc3 * b_inv).to(gl.bfloat16), mask=m_ho)
+
+
+def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> bool:
+    """Whether :func:`flash_mla_sparse_fwd_mma_v2` can run this call: bf16 ``q`` and ``kv`` with ``d_qk`` 576 and
+    ``d_v`` 512, rows 16-byte aligned for ``cp.async``, an arch of ``MMA_V2_PREFILL_ARCHS`` and Gluon allowed
+    (``nsa_backend.kernels._gluon``)."""
+    return (
+        q.shape[-1] == D_QK
+        and d_v == D_V
+        and q.dtype == torch.bfloat16
+        and kv.dtype == torch.bfloat16
+        and q.stride(2) == 1
+        and q.stride(0) % 8 == 0
+        and q.stride(1) % 8 == 0
+        and q.data_ptr() % 16 == 0
+        and kv.is_contiguous()
+        and kv.data_ptr() % 16 == 0
+        and gluon_enabled(arch, MMA_V2_PREFILL_ARCHS)
+    )
+
+
+def flash_mla_sparse_fwd_mma_v2(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    stages: int = STAGES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gluon :func:`nsa_backend.flash_mla_sparse_fwd` on the mma.sync archs (see :func:`supported`).
+
+    Same parameters and results as ``nsa_backend.kernels.sparse_mla_prefill.flash_mla_sparse_fwd_triton``;
+    ``stages`` overrides the ring's depth (three stages take 116 KiB: sm_80 only).
+    """
+    s_q, h_q, d_qk = q.shape
+    s_kv = kv.shape[0]
+    topk = indices.shape[-1]
+    out, max_logits, lse = prefill_outputs(q, d_v)
+    if s_q == 0:
+        return out, max_logits, lse
+    kv2 = kv.view(s_kv, d_qk)
+    idx = indices.view(s_q, topk)
+    if idx.stride(-1) != 1:
+        idx = idx.contiguous()
+    cached_launcher(_prefill_mma_v2_kernel)[(s_q * triton.cdiv(h_q, BLOCK_H),)](
+        q, kv2, idx, attn_sink, topk_length, out, lse, max_logits,
+        sm_scale * LOG2E, h_q, topk, s_kv,
+        q.stride(0), q.stride(1), idx.stride(0), kv2.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+        **constexprs(attn_sink is not None, topk_length is not None, stages),
+        num_warps=NUM_WARPS,
+    )
+    return out, max_logits, lse
+
+
+def constexprs(has_sink: bool, has_topk_len: bool, stages: int = STAGES) -> dict:
+    """The kernel's compile-time arguments (launches and ahead-of-time compiles)."""
+    return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=stages, HAS_SINK=has_sink, HAS_TOPK_LEN=has_topk_len,
+                NUM_WARPS=NUM_WARPS)
+
+
+def kernel():
+    """The Gluon kernel (ahead-of-time compiles)."""
+    return _prefill_mma_v2_kernel
+
+
+__all__ = ["MMA_V2_PREFILL_ARCHS", "constexprs", "flash_mla_sparse_fwd_mma_v2", "kernel", "supported"]

@@ -1,0 +1,172 @@
+"""Gluon mma.sync sparse MLA prefill (sm_80 / 86 / 89 / 120 / 121, bf16 keys) against ``nsa_backend.reference``.
+
+CPU: the support rules and the gate (never taken off CUDA). The ahead-of-time compile for sm_80 / 86 / 89 / 120 /
+121 (within 99 KiB, registers and spills) is part of ``tests/ops/test_aot_resources.py`` (kind ``prefill_mma_v2``
+of the sparse_mla family).
+GPU (a Triton with Gluon and an sm_80 or newer GPU; on an sm_90 GPU the kernel runs as the sm120 proxy runs it): a
+300-case seeded fuzz of the kernel against the fp32 reference (1..128 heads and counts that are not multiples of
+the head block, top-k lists of 1..4096 slots, invalid slots ``-1`` / ``>= s_kv`` / other negatives, attn_sink,
+topk_length with empty rows, two and three ring buffers), rows without a valid key, CUDA-graph capture, and the
+route of the prefill launcher under each arch it serves (forced).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from tests.ops._cuda_graph import capture
+from tests.ops.test_sparse_mla import _check_out, _check_stat, _fp32_reference_prefill, prefill_case
+
+triton = pytest.importorskip("triton")
+
+FUZZ_CASES = min(300, int(os.environ.get("NSA_FUZZ_CASES", "300")))
+
+
+def _on_gluon_gpu() -> bool:
+    from nsa_backend.kernels._gluon import gluon_importable
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0) and gluon_importable()
+
+
+needs_gpu = pytest.mark.skipif(not _on_gluon_gpu(), reason="needs an sm_80+ GPU and Gluon")
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU
+# ------------------------------------------------------------------------------------------------
+
+
+def test_support_rules(monkeypatch):
+    from nsa_backend.kernels.sparse_mla_prefill import sm80_gluon as G
+
+    monkeypatch.setattr("nsa_backend.kernels.sparse_mla_prefill.sm80_gluon.gluon_enabled",
+                        lambda arch, archs: arch in archs)
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 1, 576, dtype=torch.bfloat16)
+    for arch in (80, 86, 89, 120, 121):
+        assert G.supported(q, kv, 512, arch)
+    for arch in (75, 90, 100, None):
+        assert not G.supported(q, kv, 512, arch)
+    assert not G.supported(q.float(), kv, 512, 120)
+    assert not G.supported(q, kv.to(torch.float16), 512, 120)
+    assert not G.supported(torch.zeros(2, 64, 512, dtype=torch.bfloat16), kv[..., :512], 448, 120)
+    assert not G.supported(q, torch.zeros(8, 1, 600, dtype=torch.bfloat16)[..., :576], 512, 120)  # rows not packed
+
+
+def test_gate_off_without_cuda():
+    """Off CUDA (the interpreter) the kernel is never taken, whatever arch is forced."""
+    from nsa_backend.kernels.sparse_mla_prefill import sm80_gluon as G
+
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    assert not G.supported(q, torch.zeros(8, 1, 576, dtype=torch.bfloat16), 512, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+
+
+def _fuzz_cases(n: int, seed: int) -> list[tuple[dict, dict]]:
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        c = dict(
+            s_q=rnd.randint(1, 6),
+            h_q=rnd.choice((1, 7, 16, 20, 32, 48, 64, 64, 100, 128)),
+            d_qk=576,
+            s_kv=rnd.choice([1, 50, 777, 4096, 20000]),
+            topk=rnd.choice([1, 7, 31, 32, 33, 64, 100, 333, 1024, 2048, 4096]),
+            frac_invalid=rnd.choice([0.0, 0.05, 0.5, 0.95, 1.0]),
+            sink=rnd.random() < 0.5,
+            topk_len=rnd.random() < 0.5,
+            seed=5000 + i,
+        )
+        out.append((c, rnd.choice([{}, {}, {}, {"stages": 3}])))
+    return out
+
+
+def _run(a: dict, case: str, **kw) -> float:
+    from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import flash_mla_sparse_fwd_mma_v2
+
+    out, mx, lse = flash_mla_sparse_fwd_mma_v2(**a, **kw)
+    r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
+    err = _check_out("out", out, r_out, case, r_abs)
+    _check_stat("lse", lse, r_lse, case)
+    _check_stat("max_logits", mx, r_mx, case)
+    return err
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_prefill_mma_v2_gpu_fuzz():
+    errs = [_run(prefill_case(**c), f"{c} {kw}", **kw) for c, kw in _fuzz_cases(FUZZ_CASES, seed=29)]
+    print(f"mma_v2 prefill fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_prefill_mma_v2_empty_rows_gpu():
+    """Rows without a valid key (all ``-1``, all ``>= s_kv``, ``topk_length`` 0) between full ones: ``out`` 0,
+    ``lse`` ``+inf``, ``max_logits`` ``-inf``, with a sink."""
+    from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import flash_mla_sparse_fwd_mma_v2
+
+    a = prefill_case(6, 64, 576, 3000, 192, 0.0, True, True, seed=7)
+    a["indices"][0] = -1
+    a["indices"][2] = 3000
+    a["topk_length"][4] = 0
+    _run(a, "empty rows")
+    out, mx, lse = flash_mla_sparse_fwd_mma_v2(**a)
+    for r in (0, 2, 4):
+        assert torch.equal(out[r], torch.zeros_like(out[r])), r
+        assert torch.isinf(lse[r]).all() and (lse[r] > 0).all(), r
+        assert torch.isinf(mx[r]).all() and (mx[r] < 0).all(), r
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_prefill_mma_v2_cuda_graph(h_q):
+    from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import flash_mla_sparse_fwd_mma_v2
+
+    a = prefill_case(8, h_q, 576, 4096, 512, 0.1, False, True, seed=5)
+    want = flash_mla_sparse_fwd_mma_v2(**a)
+    g, got = capture(lambda: flash_mla_sparse_fwd_mma_v2(**a))
+    got[0].fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("arch", ["sm80", "sm86", "sm89", "sm120", "sm121", "sm100"])
+def test_prefill_op_routes_to_mma_v2(monkeypatch, arch):
+    """With routing forced to an arch of ``MMA_V2_PREFILL_ARCHS`` the prefill launcher returns this kernel's
+    result for the head counts it serves, and the ``tl`` kernel's otherwise (sm_100, ``NSA_BACKEND_GLUON=0``);
+    both match the reference."""
+    from nsa_backend.kernels import sparse_mla_prefill as P
+    from nsa_backend.kernels.sparse_mla_prefill import sm80_gluon as G
+    from nsa_backend.routing.config import reset_config
+    from tests.ops.test_sparse_mla import run_prefill_case
+
+    calls = []
+    real = G.flash_mla_sparse_fwd_mma_v2
+    monkeypatch.setattr(G, "flash_mla_sparse_fwd_mma_v2", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("NSA_BACKEND_FORCE_ARCH", arch)
+    reset_config()
+    try:
+        for h_q, gluon in ((64, "1"), (128, "1"), (16, "1"), (64, "0")):
+            monkeypatch.setenv("NSA_BACKEND_GLUON", gluon)
+            a = prefill_case(5, h_q, 576, 2000, 300, 0.1, True, True, seed=9)
+            before = len(calls)
+            run_prefill_case(a, f"{arch} h_q {h_q} gluon {gluon}")
+            routed = arch != "sm100" and gluon == "1" and h_q in P.MMA_V2_PREFILL_HEADS
+            assert len(calls) - before == routed, (arch, h_q, gluon)
+    finally:
+        monkeypatch.delenv("NSA_BACKEND_FORCE_ARCH")
+        monkeypatch.delenv("NSA_BACKEND_GLUON", raising=False)
+        reset_config()
