@@ -48,7 +48,7 @@ from nsa_backend.kernels._gluon import gluon_enabled
 from nsa_backend.kernels._launch import CachedLauncher, cdiv
 from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as mma_v2
 from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as ws
-from nsa_backend.kernels.sparse_mla_decode.merge import merge_pdl, merge_splits
+from nsa_backend.kernels.sparse_mla_decode.merge import decode_outputs, launch_split_decode, merge_pdl, merge_splits
 from nsa_backend.kernels.sparse_mla_decode.sm90_gluon import (
     GLUON_DECODE_ARCHS,
     gluon_decode_supported,
@@ -188,8 +188,7 @@ def sparse_mla_decode_triton(
                                                topk_length, kv_scale_format=kv_scale_format)
     topk = indices.shape[-1]
     dev = q.device
-    out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=dev)
-    lse = torch.empty(B, h_q, s_q, dtype=torch.float32, device=dev)
+    out, lse = decode_outputs(q, d_v)
     if B == 0:
         return out, lse
     fp8 = kv_format == "fp8_ds_mla"
@@ -199,9 +198,7 @@ def sparse_mla_decode_triton(
     width = DS_MLA_TOKEN_BYTES if fp8 else d_qk
     cfg, splits, per = decode_plan(B, s_q, h_q, topk, kv_format, dev, config, num_splits)
     arch = device_arch(dev)
-    R = B * s_q
-    idx = indices.view(R, topk)
-    head_blocks = cdiv(h_q, cfg.block_h)
+    idx = indices.view(B * s_q, topk)
     native = fp8_native(arch) if native_fp8 is None else native_fp8
     common = dict(
         D_ROPE=d_qk - d_v, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, KV_FP8=fp8, FP8_NATIVE=native,
@@ -210,21 +207,8 @@ def sparse_mla_decode_triton(
     )
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), width)
-    if splits == 1:
-        _launch_sparse_mla_fwd[(R, head_blocks, 1)](
-            q, kv_cache, idx, attn_sink, topk_length, out, lse, None, *args,
-            out.stride(0), out.stride(1), 0, out.stride(2),
-            lse.stride(0), lse.stride(2), 0, lse.stride(1),
-            SPLIT=False, **common,
-        )
-        return out, lse
-    part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
-    part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
-    _launch_sparse_mla_fwd[(R, head_blocks, splits)](
-        q, kv_cache, idx, None, topk_length, part_o, part_lse, None, *args,
-        s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        SPLIT=True, **common,
-    )
-    merge_splits(part_o, part_lse, attn_sink, out, lse)
+    # (the tile's sink flag follows its sink pointer, which split launches leave out)
+    launch_split_decode(_launch_sparse_mla_fwd, cdiv(h_q, cfg.block_h), splits, (q, kv_cache, idx), attn_sink,
+                        topk_length, out, lse, args, lambda split: dict(SPLIT=split, **common), after_lse=(None,),
+                        rows_first=True)
     return out, lse

@@ -1,14 +1,18 @@
-"""The split-K merge of sparse MLA decode, shared by the ``tl`` path and the sm_90 Gluon kernels.
+"""The split-K launch and merge of sparse MLA decode, shared by the ``tl`` path and the Gluon kernels.
 
 ``_sparse_mla_decode_merge_kernel`` combines the ``num_splits`` partial results of a query row:
 
     m = max_s lse_s,  w_s = 2^(lse_s - m),  out = sum_s w_s out_s / sum_s w_s,  lse = m + log2(sum_s w_s)
 
 converts lse to natural log (``+inf`` for a row without a valid slot), applies ``attn_sink`` and
-writes ``out [B, s_q, h_q, 512]`` bf16 and ``lse [B, h_q, s_q]``.
+writes ``out [B, s_q, h_q, 512]`` bf16 and ``lse [B, h_q, s_q]``. :func:`launch_split_decode` launches a decode
+kernel of the common calling convention with one split (final outputs) or several (partials, then the merge).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -116,3 +120,57 @@ def merge_pdl(device: torch.device) -> bool:
         return False
     cap = device_capability(device)
     return cap is not None and cap >= PDL_MIN_ARCH
+
+
+def decode_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised results of a decode launch on ``q [B, s_q, h_q, d_qk]``: ``out [B, s_q, h_q, d_v]`` bfloat16
+    and ``lse [B, h_q, s_q]`` float32."""
+    B, s_q, h_q, _ = q.shape
+    out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(B, h_q, s_q, dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def launch_split_decode(
+    launch: Any,
+    head_blocks: int,
+    splits: int,
+    inputs: tuple,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    args: tuple,
+    options: Callable[[bool], dict[str, Any]],
+    after_lse: tuple = (),
+    rows_first: bool = False,
+) -> None:
+    """Launch a decode kernel on the grid ``(head_blocks, B * s_q, splits)`` (``rows_first``:
+    ``(B * s_q, head_blocks, splits)``) and, with several splits, merge.
+
+    The kernel takes ``(*inputs, sink_ptr, topk_len_ptr, out_ptr, lse_ptr, *after_lse, *args)``, then the
+    strides of its output by batch, query position, split and head, and the same four of its lse. With one split
+    it writes ``out`` and ``lse`` itself (with ``attn_sink``); with several, fp32 partials ``[R, splits, h_q, d_v]``
+    and their base-2 lse (no sink), which :func:`merge_splits` combines. ``options(split)`` gives the launch's
+    keyword arguments for either case.
+    """
+    B, s_q, h_q, d_v = out.shape
+    R = B * s_q
+    grid = (R, head_blocks) if rows_first else (head_blocks, R)
+    if splits == 1:
+        launch[(*grid, 1)](
+            *inputs, attn_sink, topk_length, out, lse, *after_lse, *args,
+            out.stride(0), out.stride(1), 0, out.stride(2),
+            lse.stride(0), lse.stride(2), 0, lse.stride(1),
+            **options(False),
+        )
+        return
+    part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=out.device)
+    launch[(*grid, splits)](
+        *inputs, None, topk_length, part_o, part_lse, *after_lse, *args,
+        s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        **options(True),
+    )
+    merge_splits(part_o, part_lse, attn_sink, out, lse)

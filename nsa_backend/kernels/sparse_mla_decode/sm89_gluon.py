@@ -36,7 +36,7 @@ from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
 from nsa_backend.kernels.sparse_mla_decode import sm90_gluon as sm90
-from nsa_backend.kernels.sparse_mla_decode.merge import merge_splits
+from nsa_backend.kernels.sparse_mla_decode.merge import decode_outputs, launch_split_decode
 from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, pow2_dequant_ptx
 
 if gluon_importable():
@@ -286,43 +286,23 @@ def sparse_mla_decode_mma_v2(
     """
     B, s_q, h_q, _ = q.shape
     topk = indices.shape[-1]
-    dev = q.device
-    out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=dev)
-    lse = torch.empty(B, h_q, s_q, dtype=torch.float32, device=dev)
+    out, lse = decode_outputs(q, d_v)
     if B == 0:
         return out, lse
     if kv_cache.dim() == 3:
         kv_cache = kv_cache.unsqueeze(2)
     num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
-    R = B * s_q
-    idx = indices.view(R, topk)
-    splits, per = plan(B, s_q, h_q, topk, device_sms(dev, 8), num_splits)
-    head_blocks = triton.cdiv(h_q, BLOCK_H)
+    idx = indices.view(B * s_q, topk)
+    splits, per = plan(B, s_q, h_q, topk, device_sms(q.device, 8), num_splits)
     common = dict(
-        PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=stages, HAS_SINK=attn_sink is not None,
-        HAS_TOPK_LEN=topk_length is not None, POW2_SCALES=kv_scale_format == "pow2", NUM_WARPS=NUM_WARPS,
-        num_warps=NUM_WARPS,
+        PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=stages, HAS_TOPK_LEN=topk_length is not None,
+        POW2_SCALES=kv_scale_format == "pow2", NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
     )
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), kv_cache.stride(1))
-    launch = cached_launcher(_decode_mma_v2_kernel)
-    if splits == 1:
-        launch[(head_blocks, R, 1)](
-            q, kv_cache, idx, attn_sink, topk_length, out, lse, *args,
-            out.stride(0), out.stride(1), 0, out.stride(2),
-            lse.stride(0), lse.stride(2), 0, lse.stride(1),
-            SPLIT=False, **common,
-        )
-        return out, lse
-    part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
-    part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
-    launch[(head_blocks, R, splits)](
-        q, kv_cache, idx, None, topk_length, part_o, part_lse, *args,
-        s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        SPLIT=True, **{**common, "HAS_SINK": False},
-    )
-    merge_splits(part_o, part_lse, attn_sink, out, lse)
+    launch_split_decode(cached_launcher(_decode_mma_v2_kernel), triton.cdiv(h_q, BLOCK_H), splits,
+                        (q, kv_cache, idx), attn_sink, topk_length, out, lse, args,
+                        lambda split: dict(SPLIT=split, HAS_SINK=attn_sink is not None and not split, **common))
     return out, lse
 
 

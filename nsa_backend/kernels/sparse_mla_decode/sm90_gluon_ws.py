@@ -54,7 +54,7 @@ from nsa_backend.configs.sparse_mla import decode_num_splits, split_keys
 from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
-from nsa_backend.kernels.sparse_mla_decode.merge import merge_splits
+from nsa_backend.kernels.sparse_mla_decode.merge import decode_outputs, launch_split_decode
 
 # Whether the decode launcher takes this kernel where it is routed (``GLUON_WS_DECODE_MIN_HEADS``).
 ENABLED = True
@@ -422,9 +422,7 @@ def sparse_mla_decode_gluon_ws(
     """
     B, s_q, h_q, _ = q.shape
     topk = indices.shape[-1]
-    dev = q.device
-    out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=dev)
-    lse = torch.empty(B, h_q, s_q, dtype=torch.float32, device=dev)
+    out, lse = decode_outputs(q, d_v)
     if B == 0 or s_q == 0:
         return out, lse
     if kv_cache.dim() == 3:
@@ -434,29 +432,16 @@ def sparse_mla_decode_gluon_ws(
     idx = indices.view(R, topk)
     if idx.stride(-1) != 1:
         idx = idx.contiguous()
-    splits, per = plan(B, s_q, h_q, topk, device_sms(dev, 8), num_splits)
+    splits, per = plan(B, s_q, h_q, topk, device_sms(q.device, 8), num_splits)
     head_blocks = triton.cdiv(h_q, BLOCK_H)
     pow2 = kv_scale_format == "pow2"
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), kv_cache.stride(1))
-    if splits == 1:
-        cached_launcher(kernel())[(head_blocks, R, 1)](
-            q, kv_cache, idx, attn_sink, topk_length, out, lse, *args,
-            out.stride(0), out.stride(1), 0, out.stride(2),
-            lse.stride(0), lse.stride(2), 0, lse.stride(1),
-            **_constexprs(False, attn_sink is not None, topk_length is not None, pow2, **(options or {})),
-            num_warps=NUM_WARPS,
-        )
-        return out, lse
-    part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=dev)
-    part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=dev)
-    cached_launcher(kernel())[(head_blocks, R, splits)](
-        q, kv_cache, idx, None, topk_length, part_o, part_lse, *args,
-        s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        **_constexprs(True, False, topk_length is not None, pow2, **(options or {})), num_warps=NUM_WARPS,
+    launch_split_decode(
+        cached_launcher(kernel()), head_blocks, splits, (q, kv_cache, idx), attn_sink, topk_length, out, lse, args,
+        lambda split: dict(**_constexprs(split, attn_sink is not None and not split, topk_length is not None, pow2,
+                                         **(options or {})), num_warps=NUM_WARPS),
     )
-    merge_splits(part_o, part_lse, attn_sink, out, lse)
     return out, lse
 
 
