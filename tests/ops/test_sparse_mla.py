@@ -191,10 +191,13 @@ def _check_stat(name: str, got: torch.Tensor, want: torch.Tensor, case: str, tol
         assert d <= tol * (1 + scale), f"{name}: max err {d:.3e}, {case}"
 
 
-def run_prefill_case(a: dict, case: str) -> float:
-    from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
+def run_prefill_case(a: dict, case: str, prefill=None, **kw) -> float:
+    """Run ``prefill`` (default: ``flash_mla_sparse_fwd_triton``) on case ``a`` with ``kw``; check it against the
+    fp32 reference and return the largest ``out`` error."""
+    if prefill is None:
+        from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton as prefill
 
-    out, mx, lse = flash_mla_sparse_fwd_triton(**a)
+    out, mx, lse = prefill(**a, **kw)
     r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
     err = _check_out("out", out, r_out, case, r_abs)
     _check_stat("lse", lse, r_lse, case)

@@ -19,7 +19,7 @@ import torch
 
 from tests.ops._aot import run_aot_script
 from tests.ops._gluon import on_sm90_gluon
-from tests.ops.test_sparse_mla import _check_out, _check_stat, _fp32_reference_prefill, prefill_case
+from tests.ops.test_sparse_mla import _check_stat, prefill_case, run_prefill_case
 
 triton = pytest.importorskip("triton")
 
@@ -77,12 +77,7 @@ def _fuzz_cases(n: int, seed: int = 0) -> list[dict]:
 def _run(a: dict, case: str) -> float:
     from nsa_backend.kernels.sparse_mla_prefill.sm90_gluon import flash_mla_sparse_fwd_gluon
 
-    out, mx, lse = flash_mla_sparse_fwd_gluon(**a)
-    r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
-    err = _check_out("out", out, r_out, case, r_abs)
-    _check_stat("lse", lse, r_lse, case)
-    _check_stat("max_logits", mx, r_mx, case)
-    return err
+    return run_prefill_case(a, case, prefill=flash_mla_sparse_fwd_gluon)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ import torch
 
 from tests.ops._aot import run_aot_script
 from tests.ops._gluon import on_sm90_gluon
-from tests.ops.test_sparse_mla import _check_out, _check_stat, _fp32_reference_prefill, prefill_case
+from tests.ops.test_sparse_mla import _check_stat, prefill_case, run_prefill_case
 
 triton = pytest.importorskip("triton")
 
@@ -106,12 +106,7 @@ def _fuzz_cases(n: int, seed: int = 0) -> list[dict]:
 def _run(a: dict, case: str, **plan) -> float:
     from nsa_backend.kernels.sparse_mla_prefill.sm90_gluon_fewhead import flash_mla_sparse_fwd_gluon_fewhead
 
-    out, mx, lse = flash_mla_sparse_fwd_gluon_fewhead(**a, **plan)
-    r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
-    err = _check_out("out", out, r_out, case, r_abs)
-    _check_stat("lse", lse, r_lse, case)
-    _check_stat("max_logits", mx, r_mx, case)
-    return err
+    return run_prefill_case(a, case, prefill=flash_mla_sparse_fwd_gluon_fewhead, **plan)
 
 
 @pytest.mark.gpu
@@ -164,7 +159,6 @@ def test_fewhead_prefill_route_gpu():
     if not on_sm90_gluon():
         pytest.skip("needs sm_90 and Gluon")
     from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon_fewhead as F
-    from tests.ops.test_sparse_mla import run_prefill_case
 
     a = prefill_case(3, 16, 576, 500, 100, 0.1, True, True, seed=3)
     assert F.supported(a["q"], a["kv"], 512, 90) == F.ENABLED

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.ops._cuda_graph import capture
-from tests.ops.test_sparse_mla import _check_out, _check_stat, _fp32_reference_prefill, prefill_case
+from tests.ops.test_sparse_mla import prefill_case, run_prefill_case
 
 triton = pytest.importorskip("triton")
 
@@ -92,12 +92,7 @@ def _fuzz_cases(n: int, seed: int) -> list[tuple[dict, dict]]:
 def _run(a: dict, case: str, **kw) -> float:
     from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import flash_mla_sparse_fwd_mma_v2
 
-    out, mx, lse = flash_mla_sparse_fwd_mma_v2(**a, **kw)
-    r_out, r_mx, r_lse, r_abs = _fp32_reference_prefill(a)
-    err = _check_out("out", out, r_out, case, r_abs)
-    _check_stat("lse", lse, r_lse, case)
-    _check_stat("max_logits", mx, r_mx, case)
-    return err
+    return run_prefill_case(a, case, prefill=flash_mla_sparse_fwd_mma_v2, **kw)
 
 
 @pytest.mark.gpu
@@ -151,7 +146,6 @@ def test_prefill_op_routes_to_mma_v2(monkeypatch, arch):
     from nsa_backend.kernels import sparse_mla_prefill as P
     from nsa_backend.kernels.sparse_mla_prefill import sm80_gluon as G
     from nsa_backend.routing.config import reset_config
-    from tests.ops.test_sparse_mla import run_prefill_case
 
     calls = []
     real = G.flash_mla_sparse_fwd_mma_v2

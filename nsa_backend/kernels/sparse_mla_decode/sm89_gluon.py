@@ -143,7 +143,6 @@ if gluon is not None:
         gl.static_assert(NUM_WARPS == 8)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
         L_DQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
         RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         # rows of 256 (keys, q) or 128 bytes (rope) in 16-byte vectors, swizzled over the eight bank groups
@@ -175,17 +174,8 @@ if gluon is not None:
 
         # ---- q: the latent part into the registers of the A operand (heads past h_q zero), through the first key
         # buffer; the rope part stays in shared memory (16 registers fewer, and the score MMAs then interleave)
-        o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
-        m_hq = gl.expand_dims(o_h < h_q, 1)
-        p_q = q_ptr + i_r * stride_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
-        o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
-        q_buf = k_smem.index(0)
-        b_q0 = mma_v2_load_q(p_q, o_qc, m_hq, q_buf, OP_A)
-        b_q1 = mma_v2_load_q(p_q + 128, o_qc, m_hq, q_buf, OP_A)
-        b_q2 = mma_v2_load_q(p_q + 256, o_qc, m_hq, q_buf, OP_A)
-        b_q3 = mma_v2_load_q(p_q + 384, o_qc, m_hq, q_buf, OP_A)
-        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q)), 0)
-        qr_smem.store(gl.load(p_q + 512 + o_qr, mask=m_hq, other=0.0))
+        b_q0, b_q1, b_q2, b_q3 = mma_v2_load_q(q_ptr + i_r * stride_q_row, stride_q_head, i_h, h_q, k_smem.index(0),
+                                               qr_smem, BLOCK_H, NUM_WARPS, OP_A)
 
         # running max (base 2) and sum of every head, in the layout of the rows of P
         b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW_P)

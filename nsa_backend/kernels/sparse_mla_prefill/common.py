@@ -35,6 +35,23 @@ def pow2_dequant_ptx(product: str) -> str:
             "and.b32 a, a, 0x87F087F0;\nand.b32 b, b, 0x87F087F0;\n" + tail + "\n}")
 
 
+def gluon_rows_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
+    """What the Gluon prefill kernels need of a call's tensors: bf16 ``q`` and ``kv`` with ``d_qk`` 576 and ``d_v``
+    512, ``q`` rows and heads 16-byte aligned and ``kv`` contiguous and aligned (``cp.async`` copies 16 bytes)."""
+    return (
+        q.shape[-1] == 576
+        and d_v == 512
+        and q.dtype == torch.bfloat16
+        and kv.dtype == torch.bfloat16
+        and q.stride(2) == 1
+        and q.stride(0) % 8 == 0
+        and q.stride(1) % 8 == 0
+        and q.data_ptr() % 16 == 0
+        and kv.is_contiguous()
+        and kv.data_ptr() % 16 == 0
+    )
+
+
 def fp8_native(arch: int | None) -> bool:
     """Whether kernels use Triton's e4m3 type on ``sm_<arch>`` (``None``: the interpreter, yes)."""
     return arch is None or arch >= FP8_NATIVE_MIN_ARCH

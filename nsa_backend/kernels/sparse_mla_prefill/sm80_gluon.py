@@ -31,7 +31,7 @@ import triton
 
 from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
-from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, gluon_rows_supported, prefill_outputs
 
 if gluon_importable():
     from triton.experimental import gluon
@@ -48,20 +48,37 @@ BLOCK_H = 32
 BLOCK_N = 32
 NUM_WARPS = 8
 STAGES = 2
-D_QK = 576
-D_V = 512
 
 
 if gluon is not None:
 
     @gluon.jit
-    def mma_v2_load_q(p_q, o_c, m_h, q_smem, OP_A: gl.constexpr):
-        """One ``[BLOCK_H, cols]`` slice of ``q`` into the ``A`` operand's registers (through ``q_smem``)."""
-        q_smem.store(gl.load(p_q + o_c, mask=m_h, other=0.0))
+    def _mma_v2_q_part(p_q, o_c, m_h, q_buf, OP_A: gl.constexpr):
+        """One ``[BLOCK_H, cols]`` slice of ``q`` into the ``A`` operand's registers (through ``q_buf``)."""
+        q_buf.store(gl.load(p_q + o_c, mask=m_h, other=0.0))
         cta_barrier()
-        b_q = q_smem.load(OP_A)
+        b_q = q_buf.load(OP_A)
         cta_barrier()
         return b_q
+
+    @gluon.jit
+    def mma_v2_load_q(p_q_row, stride_q_head, i_h, h_q, q_buf, qr_smem, BLOCK_H: gl.constexpr,
+                      NUM_WARPS: gl.constexpr, OP_A: gl.constexpr):
+        """Heads ``i_h * BLOCK_H ..`` of the ``q`` row at ``p_q_row`` (``[h_q, 576]``, heads past ``h_q`` zero): the
+        latent part into the registers of the ``A`` operand, four ``[BLOCK_H, 128]`` groups passed through
+        ``q_buf`` (``[BLOCK_H, 128]`` bf16 shared memory free until then), and the rope part into ``qr_smem``."""
+        L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+        o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
+        m_hq = gl.expand_dims(o_h < h_q, 1)
+        p_q = p_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
+        o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
+        b_q0 = _mma_v2_q_part(p_q, o_qc, m_hq, q_buf, OP_A)
+        b_q1 = _mma_v2_q_part(p_q + 128, o_qc, m_hq, q_buf, OP_A)
+        b_q2 = _mma_v2_q_part(p_q + 256, o_qc, m_hq, q_buf, OP_A)
+        b_q3 = _mma_v2_q_part(p_q + 384, o_qc, m_hq, q_buf, OP_A)
+        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q)), 0)
+        qr_smem.store(gl.load(p_q + 512 + o_qr, mask=m_hq, other=0.0))
+        return b_q0, b_q1, b_q2, b_q3
 
     @gluon.jit
     def mma_v2_attend_tile(b_q0, b_q1, b_q2, b_q3, k0, k1, k2, k3, qr_smem, kr, s_smem, m_n, b_m, b_l,
@@ -139,7 +156,6 @@ if gluon is not None:
         gl.static_assert(NUM_WARPS == 8)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
         # copies: 16 bytes a thread, a [32, 64] block per pass
         L_ROW: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
         RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
@@ -169,19 +185,10 @@ if gluon is not None:
         # the slots of the next tile to copy are read an iteration ahead
         b_slot = _prefill_mma_v2_slots(p_idx, (STAGES - 1) * BLOCK_N, n_end, BLOCK_N, L_ROW)
 
-        # ---- q: the latent part into the registers of the A operand (heads past h_q zero), through the last ring
-        # buffer (its first copy is issued in the loop); the rope part stays in shared memory
-        o_h = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L_Q))
-        m_hq = gl.expand_dims(o_h < h_q, 1)
-        p_q = q_ptr + i_r * stride_q_row + gl.expand_dims(o_h.to(gl.int64) * stride_q_head, 1)
-        o_qc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_Q)), 0)
-        q_buf = k_smem.index((STAGES - 1) * 4)
-        b_q0 = mma_v2_load_q(p_q, o_qc, m_hq, q_buf, OP_A)
-        b_q1 = mma_v2_load_q(p_q + 128, o_qc, m_hq, q_buf, OP_A)
-        b_q2 = mma_v2_load_q(p_q + 256, o_qc, m_hq, q_buf, OP_A)
-        b_q3 = mma_v2_load_q(p_q + 384, o_qc, m_hq, q_buf, OP_A)
-        o_qr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_Q)), 0)
-        qr_smem.store(gl.load(p_q + 512 + o_qr, mask=m_hq, other=0.0))
+        # ---- q: the latent part into the registers of the A operand, through the last ring buffer (its first copy
+        # is issued in the loop); the rope part stays in shared memory
+        b_q0, b_q1, b_q2, b_q3 = mma_v2_load_q(q_ptr + i_r * stride_q_row, stride_q_head, i_h, h_q,
+                                               k_smem.index((STAGES - 1) * 4), qr_smem, BLOCK_H, NUM_WARPS, OP_A)
 
         b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW_P)
         b_l = gl.zeros([BLOCK_H], gl.float32, layout=ROW_P)
@@ -239,19 +246,7 @@ def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> 
     """Whether :func:`flash_mla_sparse_fwd_mma_v2` can run this call: bf16 ``q`` and ``kv`` with ``d_qk`` 576 and
     ``d_v`` 512, rows 16-byte aligned for ``cp.async``, an arch of ``MMA_V2_PREFILL_ARCHS`` and Gluon allowed
     (``nsa_backend.kernels._gluon``)."""
-    return (
-        q.shape[-1] == D_QK
-        and d_v == D_V
-        and q.dtype == torch.bfloat16
-        and kv.dtype == torch.bfloat16
-        and q.stride(2) == 1
-        and q.stride(0) % 8 == 0
-        and q.stride(1) % 8 == 0
-        and q.data_ptr() % 16 == 0
-        and kv.is_contiguous()
-        and kv.data_ptr() % 16 == 0
-        and gluon_enabled(arch, MMA_V2_PREFILL_ARCHS)
-    )
+    return gluon_rows_supported(q, kv, d_v) and gluon_enabled(arch, MMA_V2_PREFILL_ARCHS)
 
 
 def flash_mla_sparse_fwd_mma_v2(

@@ -50,7 +50,7 @@ import torch
 import triton
 
 from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
-from nsa_backend.kernels.sparse_mla_prefill.common import prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill.common import gluon_rows_supported, prefill_outputs
 
 # Whether the prefill launcher takes this kernel where :func:`supported` allows it.
 ENABLED = True
@@ -289,16 +289,7 @@ def rows_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None
     count: bf16 ``q`` and ``kv`` with ``d_qk`` 576 and ``d_v`` 512, rows 16-byte aligned for ``cp.async``,
     a real sm_90 device and Gluon allowed (``nsa_backend.kernels._gluon``)."""
     return (
-        q.shape[-1] == D_QK
-        and d_v == D_V
-        and q.dtype == torch.bfloat16
-        and kv.dtype == torch.bfloat16
-        and q.stride(2) == 1
-        and q.stride(0) % 8 == 0
-        and q.stride(1) % 8 == 0
-        and q.data_ptr() % 16 == 0
-        and kv.is_contiguous()
-        and kv.data_ptr() % 16 == 0
+        gluon_rows_supported(q, kv, d_v)
         and gluon_enabled(arch, GLUON_ARCHS)
         and torch.cuda.get_device_capability(q.device) == (9, 0)
     )
