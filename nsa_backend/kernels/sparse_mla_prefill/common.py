@@ -52,6 +52,13 @@ def gluon_rows_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     )
 
 
+def prefill_rows(kv: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv [s_kv, 1, d_qk]`` as rows ``[s_kv, d_qk]`` and ``indices [s_q, 1, topk]`` as ``[s_q, topk]`` with unit
+    stride along the list (the Gluon prefills read both by pointer)."""
+    idx = indices.view(indices.shape[0], indices.shape[-1])
+    return kv.view(kv.shape[0], kv.shape[-1]), (idx if idx.stride(-1) == 1 else idx.contiguous())
+
+
 def fp8_native(arch: int | None) -> bool:
     """Whether kernels use Triton's e4m3 type on ``sm_<arch>`` (``None``: the interpreter, yes)."""
     return arch is None or arch >= FP8_NATIVE_MIN_ARCH

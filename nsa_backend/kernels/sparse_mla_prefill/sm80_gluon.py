@@ -31,7 +31,7 @@ import triton
 
 from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
-from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, gluon_rows_supported, prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, gluon_rows_supported, prefill_outputs, prefill_rows
 
 if gluon_importable():
     from triton.experimental import gluon
@@ -265,16 +265,13 @@ def flash_mla_sparse_fwd_mma_v2(
     Same parameters and results as ``nsa_backend.kernels.sparse_mla_prefill.flash_mla_sparse_fwd_triton``;
     ``stages`` overrides the ring's depth (three stages take 116 KiB: sm_80 only).
     """
-    s_q, h_q, d_qk = q.shape
+    s_q, h_q, _ = q.shape
     s_kv = kv.shape[0]
     topk = indices.shape[-1]
     out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
         return out, max_logits, lse
-    kv2 = kv.view(s_kv, d_qk)
-    idx = indices.view(s_q, topk)
-    if idx.stride(-1) != 1:
-        idx = idx.contiguous()
+    kv2, idx = prefill_rows(kv, indices)
     cached_launcher(_prefill_mma_v2_kernel)[(s_q * triton.cdiv(h_q, BLOCK_H),)](
         q, kv2, idx, attn_sink, topk_length, out, lse, max_logits,
         sm_scale * LOG2E, h_q, topk, s_kv,

@@ -50,7 +50,7 @@ import torch
 import triton
 
 from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
-from nsa_backend.kernels.sparse_mla_prefill.common import gluon_rows_supported, prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill.common import gluon_rows_supported, prefill_outputs, prefill_rows
 
 # Whether the prefill launcher takes this kernel where :func:`supported` allows it.
 ENABLED = True
@@ -314,10 +314,7 @@ def flash_mla_sparse_fwd_gluon(
     out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
         return out, max_logits, lse
-    kv2 = kv.view(s_kv, d_qk)
-    idx = indices.view(s_q, topk)
-    if idx.stride(-1) != 1:
-        idx = idx.contiguous()
+    kv2, idx = prefill_rows(kv, indices)
     grid = (s_q * triton.cdiv(h_q, BLOCK_H),)
     kernel()[grid](
         q, kv2, idx,

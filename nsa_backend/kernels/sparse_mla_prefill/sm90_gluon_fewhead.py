@@ -48,7 +48,7 @@ import triton
 from nsa_backend.kernels._gluon import gluon_importable
 
 # The capabilities (GLUON_ARCHS) and row shapes (d_qk 576, d_v 512, rows_supported) are the 64-head kernel's.
-from nsa_backend.kernels.sparse_mla_prefill.common import prefill_outputs
+from nsa_backend.kernels.sparse_mla_prefill.common import prefill_outputs, prefill_rows
 from nsa_backend.kernels.sparse_mla_prefill.sm90_gluon import GLUON_ARCHS, rows_supported
 
 # Whether the prefill launcher takes this kernel where :func:`supported` allows it.
@@ -387,17 +387,14 @@ def flash_mla_sparse_fwd_gluon_fewhead(
     Same parameters and results as ``nsa_backend.kernels.sparse_mla_prefill.flash_mla_sparse_fwd_triton``;
     ``plan`` keywords override :func:`fewhead_plan`.
     """
-    s_q, h_q, d_qk = q.shape
+    s_q, h_q, _ = q.shape
     s_kv = kv.shape[0]
     topk = indices.shape[-1]
     out, max_logits, lse = prefill_outputs(q, d_v)
     if s_q == 0:
         return out, max_logits, lse
     p = fewhead_plan(s_q, h_q, **plan)
-    kv2 = kv.view(s_kv, d_qk)
-    idx = indices.view(s_q, topk)
-    if idx.stride(-1) != 1:
-        idx = idx.contiguous()
+    kv2, idx = prefill_rows(kv, indices)
     launch = {"maxnreg": p.maxnreg} if p.maxnreg else {}
     kernel()[(p.programs,)](
         0, q, kv2, idx,
