@@ -316,7 +316,7 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
                                _constexpr(sig, cx), cx, c.num_warps, c.num_stages, _div16(sig),
                                {"maxnreg": c.maxnreg} if c.maxnreg else {}))
     if arch in mma_v2_prefill.MMA_V2_PREFILL_ARCHS and gluon_importable():
-        jobs.append(_mma_v2_prefill_job(arch))
+        jobs.extend(_mma_v2_bf16_jobs(arch))
     if arch in mma_v2_decode.MMA_V2_DECODE_ARCHS and gluon_importable():
         jobs.extend(_mma_v2_decode_jobs(arch))
     merge_sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
@@ -332,19 +332,26 @@ def sparse_mla_jobs(arch: int) -> list[AotJob]:
     return jobs
 
 
-def _mma_v2_prefill_job(arch: int) -> AotJob:
-    """The Gluon bf16 prefill of the mma.sync archs (``sparse_mla_prefill/sm80_gluon.py``) with a sink and
-    ``topk_length``."""
-    sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32", "topk_len_ptr": "*i32",
-           "out_ptr": "*bf16", "lse_ptr": "*fp32", "max_ptr": "*fp32", "qk_scale": "fp32"}
-    for n in ("h_q topk s_kv stride_q_row stride_q_head stride_idx_row stride_kv stride_o_row stride_o_head "
-              "stride_l_row").split():
-        sig[n] = "i32"
-    cx = mma_v2_prefill.constexprs(True, True)
-    label = (f"bf16 BLOCK_H={mma_v2_prefill.BLOCK_H} BLOCK_N={mma_v2_prefill.BLOCK_N} "
-             f"stages={mma_v2_prefill.STAGES} mma_v2")
-    return AotJob("sparse_mla", "prefill_mma_v2", label, arch, mma_v2_prefill.kernel(), _constexpr(sig, cx), cx,
-                  mma_v2_prefill.NUM_WARPS, 1, (*_div16(sig), "stride_kv", "stride_o_row", "stride_o_head"))
+def _mma_v2_bf16_jobs(arch: int) -> list[AotJob]:
+    """The Gluon bf16 kernel of the mma.sync archs (``sparse_mla_prefill/sm80_gluon.py``): the prefill (rows,
+    ``max_logits``) and the paged decode (split partials and final outputs), with a sink and ``topk_length``."""
+    jobs = []
+    for kind, page, split in (("prefill_mma_v2", 1, False), ("decode_bf16_mma_v2", 64, True),
+                              ("decode_bf16_mma_v2", 64, False)):
+        sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32", "topk_len_ptr": "*i32",
+               "out_ptr": "*fp32" if split else "*bf16", "lse_ptr": "*fp32", "max_ptr": "*fp32", "qk_scale": "fp32"}
+        for n in ("h_q topk n_slots keys_per_split rows_per_batch stride_q_row stride_q_head stride_idx_row "
+                  "stride_page stride_row stride_ob stride_or stride_os stride_oh stride_lb stride_lr stride_ls "
+                  "stride_lh").split():
+            sig[n] = "i32"
+        prefill = kind == "prefill_mma_v2"
+        cx = {k: v for k, v in mma_v2_prefill.constexprs(page, split, not split, True, prefill).items()
+              if k != "num_warps"}
+        label = (f"bf16 BLOCK_H={mma_v2_prefill.BLOCK_H} BLOCK_N={mma_v2_prefill.BLOCK_N} "
+                 f"stages={mma_v2_prefill.STAGES}" + ("" if prefill else f" split={split}") + " mma_v2")
+        jobs.append(AotJob("sparse_mla", kind, label, arch, mma_v2_prefill.kernel(), _constexpr(sig, cx), cx,
+                           mma_v2_prefill.NUM_WARPS, 1, _div16(sig)))
+    return jobs
 
 
 def _mma_v2_decode_jobs(arch: int) -> list[AotJob]:

@@ -46,6 +46,9 @@ _V4 = ("the 32-head DeepSeek-V4 decode tile over 8 warps spills 12 B on sm_120 (
 _MMA_V2_DECODE = ("the Gluon fp8 decode holds q's latent part (128 registers) and a [32, 512] accumulator in its eight "
                   "warps at 255 registers: ptxas spills 8 B on sm_120 / 121 (one 4-byte reload per 32-key tile in the "
                   "loop; none on sm_89)")
+_MMA_V2_BF16_DECODE = ("the Gluon bf16 decode holds q's latent part (128 registers) and a [32, 512] accumulator in its "
+                       "eight warps at 255 registers; the page arithmetic of its copies makes ptxas spill 16 B on "
+                       "sm_86 / 89 (four 4-byte reloads per 32-key tile; none on sm_80 / 120 / 121)")
 KNOWN_SPILLS: dict[tuple[str, str, int], str] = {
     **{("sparse_mla", "prefill", a): _SPARSE_MLA for a in (120, 121)},
     **{("sparse_mla", "decode", a): _FP8_DECODE for a in (86, 89)},
@@ -53,6 +56,7 @@ KNOWN_SPILLS: dict[tuple[str, str, int], str] = {
     **{("mhc", "gemm", a): _MHC for a in (120, 121, 86)},
     **{("sparse_mla_v4", "decode", a): _V4 for a in (120, 121)},
     **{("sparse_mla", "decode_mma_v2", a): _MMA_V2_DECODE for a in (120, 121)},
+    **{("sparse_mla", "decode_bf16_mma_v2", a): _MMA_V2_BF16_DECODE for a in (86, 89)},
 }
 
 

@@ -25,7 +25,9 @@ rows, warpgroup MMAs; same merge kernel) unless a launch override is given or ``
 
 On sm_89 / 120 / 121 the "fp8_ds_mla" cache takes the mma.sync Gluon kernel of :mod:`.sm89_gluon` (32-head
 programs, ``q`` in registers, the keys converted once per tile) for the head counts of ``MMA_V2_DECODE_HEADS``
-unless a launch override is given or ``NSA_BACKEND_GLUON=0``; under the sm120 proxy an sm_90 GPU runs it.
+unless a launch override is given or ``NSA_BACKEND_GLUON=0``; under the sm120 proxy an sm_90 GPU runs it. The bf16
+cache takes the mma.sync Gluon kernel of :mod:`.sm80_gluon` on sm_80 / 86 / 89 / 120 / 121 (the bf16 prefill's tile
+over the cache's pages, ``MMA_V2_BF16_DECODE_HEADS``) under the same conditions.
 
 The DeepSeek-V4 cache (584-byte tokens, a second cache and index list) has its own ``tl`` kernel,
 :mod:`.v4` (its entry point is re-exported here).
@@ -46,6 +48,7 @@ from nsa_backend.configs.sparse_mla import (
 from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._gluon import gluon_enabled
 from nsa_backend.kernels._launch import CachedLauncher, cdiv
+from nsa_backend.kernels.sparse_mla_decode import sm80_gluon as mma_v2_bf16
 from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as mma_v2
 from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as ws
 from nsa_backend.kernels.sparse_mla_decode.merge import decode_outputs, launch_split_decode, merge_pdl, merge_splits
@@ -80,6 +83,9 @@ GLUON_WS_DECODE_MIN_HEADS = 17
 # same run: 1.23-1.28x at h_q 16, 1.20-1.31x at 32, 1.11-1.22x at 64 / 128; 1.00-1.07x at 32-128 on another H100,
 # whose tl times were 13 % shorter (bench/results/h100-proxy-sm120/decode-mma-v2).
 MMA_V2_DECODE_HEADS: frozenset[int] = frozenset(range(1, 129))
+# Head counts whose bf16-cache decode takes the mma.sync Gluon kernel of ``sm80_gluon`` on sm_80 / 86 / 89 / 120 / 121
+# (32-head programs).
+MMA_V2_BF16_DECODE_HEADS: frozenset[int] = frozenset(range(1, 129))
 
 
 def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: torch.device,
@@ -123,6 +129,16 @@ def _mma_v2_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: 
         return False
     arch = device_arch(q.device)
     return gluon_enabled(arch, mma_v2.MMA_V2_DECODE_ARCHS) and mma_v2.supported(q, kv_cache, kv_format, d_v, arch)
+
+
+def _mma_v2_bf16_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int) -> bool:
+    """Whether the mma.sync Gluon kernel takes this bf16-cache call (sm_80 / 86 / 89 / 120 / 121, a head count of
+    ``MMA_V2_BF16_DECODE_HEADS``)."""
+    if kv_format != "bf16" or q.shape[2] not in MMA_V2_BF16_DECODE_HEADS:
+        return False
+    arch = device_arch(q.device)
+    return (gluon_enabled(arch, mma_v2_bf16.MMA_V2_BF16_DECODE_ARCHS)
+            and mma_v2_bf16.supported(q, kv_cache, kv_format, d_v, arch))
 
 
 def sparse_mla_decode_triton(
@@ -186,6 +202,9 @@ def sparse_mla_decode_triton(
     if planned and _mma_v2_route(q, kv_cache, kv_format, d_v):
         return mma_v2.sparse_mla_decode_mma_v2(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
                                                topk_length, kv_scale_format=kv_scale_format)
+    if planned and _mma_v2_bf16_route(q, kv_cache, kv_format, d_v):
+        return mma_v2_bf16.sparse_mla_decode_bf16_mma_v2(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
+                                                         topk_length)
     topk = indices.shape[-1]
     dev = q.device
     out, lse = decode_outputs(q, d_v)
@@ -210,5 +229,5 @@ def sparse_mla_decode_triton(
     # (the tile's sink flag follows its sink pointer, which split launches leave out)
     launch_split_decode(_launch_sparse_mla_fwd, cdiv(h_q, cfg.block_h), splits, (q, kv_cache, idx), attn_sink,
                         topk_length, out, lse, args, lambda split: dict(SPLIT=split, **common), after_lse=(None,),
-                        rows_first=True)
+                        grid="rows_heads")
     return out, lse

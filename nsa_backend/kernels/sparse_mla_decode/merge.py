@@ -143,10 +143,11 @@ def launch_split_decode(
     args: tuple,
     options: Callable[[bool], dict[str, Any]],
     after_lse: tuple = (),
-    rows_first: bool = False,
+    grid: str = "heads_rows",
 ) -> None:
-    """Launch a decode kernel on the grid ``(head_blocks, B * s_q, splits)`` (``rows_first``:
-    ``(B * s_q, head_blocks, splits)``) and, with several splits, merge.
+    """Launch a decode kernel on the grid ``(head_blocks, B * s_q, splits)`` (``grid="heads_rows"``),
+    ``(B * s_q, head_blocks, splits)`` (``"rows_heads"``) or ``(B * s_q * head_blocks, splits)`` (``"flat"``, the
+    head blocks of a row neighbours) and, with several splits, merge.
 
     The kernel takes ``(*inputs, sink_ptr, topk_len_ptr, out_ptr, lse_ptr, *after_lse, *args)``, then the
     strides of its output by batch, query position, split and head, and the same four of its lse. With one split
@@ -156,9 +157,9 @@ def launch_split_decode(
     """
     B, s_q, h_q, d_v = out.shape
     R = B * s_q
-    grid = (R, head_blocks) if rows_first else (head_blocks, R)
+    programs = {"heads_rows": (head_blocks, R), "rows_heads": (R, head_blocks), "flat": (R * head_blocks,)}[grid]
     if splits == 1:
-        launch[(*grid, 1)](
+        launch[(*programs, 1)](
             *inputs, attn_sink, topk_length, out, lse, *after_lse, *args,
             out.stride(0), out.stride(1), 0, out.stride(2),
             lse.stride(0), lse.stride(2), 0, lse.stride(1),
@@ -167,7 +168,7 @@ def launch_split_decode(
         return
     part_o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=out.device)
     part_lse = torch.empty(R, splits, h_q, dtype=torch.float32, device=out.device)
-    launch[(*grid, splits)](
+    launch[(*programs, splits)](
         *inputs, None, topk_length, part_o, part_lse, *after_lse, *args,
         s_q * part_o.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         s_q * part_lse.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),

@@ -45,7 +45,7 @@ if gluon_importable():
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     from nsa_backend.kernels._gluon import cp_async, cta_barrier
-    from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import mma_v2_attend_tile, mma_v2_load_q
+    from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import mma_v2_attend_tile, mma_v2_load_q, mma_v2_store
 else:  # pragma: no cover - the kernel is never launched without Gluon
     gluon = None
 
@@ -115,15 +115,6 @@ if gluon is not None:
             return gl.inline_asm_elementwise(_POW2_DEQUANT_PTX, "=r,=r,r,r,r", [b_raw, b_s16], dtype=gl.bfloat16,
                                              is_pure=True, pack=4)
         return (b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg).to(gl.bfloat16)
-
-    @gluon.jit
-    def _decode_mma_v2_store(p_out, b_acc, b_inv, m_h, SPLIT: gl.constexpr):
-        """Write one normalised ``[BLOCK_H, 128]`` block of ``O`` (fp32 partial or final bf16)."""
-        b_o = b_acc * b_inv
-        if SPLIT:
-            gl.store(p_out, b_o, mask=m_h)
-        else:
-            gl.store(p_out, b_o.to(gl.bfloat16), mask=m_h)
 
     @gluon.jit
     def _decode_mma_v2_kernel(
@@ -226,10 +217,10 @@ if gluon is not None:
         o_d = gl.expand_dims(gl.arange(0, 128, layout=COL), 0)
         p_out = (out_ptr + i_b * stride_ob + i_q * stride_or + i_s * stride_os
                  + gl.expand_dims(o_ho.to(gl.int64) * stride_oh, 1) + o_d)
-        _decode_mma_v2_store(p_out, b_acc0, b_inv, m_ho, SPLIT)
-        _decode_mma_v2_store(p_out + 128, b_acc1, b_inv, m_ho, SPLIT)
-        _decode_mma_v2_store(p_out + 256, b_acc2, b_inv, m_ho, SPLIT)
-        _decode_mma_v2_store(p_out + 384, b_acc3, b_inv, m_ho, SPLIT)
+        mma_v2_store(p_out, b_acc0, b_inv, m_ho, SPLIT)
+        mma_v2_store(p_out + 128, b_acc1, b_inv, m_ho, SPLIT)
+        mma_v2_store(p_out + 256, b_acc2, b_inv, m_ho, SPLIT)
+        mma_v2_store(p_out + 384, b_acc3, b_inv, m_ho, SPLIT)
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int, arch: int | None) -> bool:

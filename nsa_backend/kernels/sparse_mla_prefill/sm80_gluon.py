@@ -1,25 +1,30 @@
-"""Gluon sparse MLA prefill for the mma.sync archs (sm_80 / 86 / 89 / 120 / 121): bf16 keys, ``q`` in registers.
+"""Gluon sparse MLA over bf16 keys for the mma.sync archs (sm_80 / 86 / 89 / 120 / 121), ``q`` in registers.
 
 :func:`flash_mla_sparse_fwd_mma_v2` computes :func:`nsa_backend.flash_mla_sparse_fwd` for bf16 ``q`` / ``kv``
-with ``d_qk`` 576 (512 latent + 64 rope) and ``d_v`` 512 within 99 KiB of shared memory. A program takes one
-query row, ``BLOCK_H = 32`` heads (a one-dimensional grid of ``s_q * head blocks`` programs: the head blocks of a
-row are neighbours in the launch order and gather the same keys) and walks the row's top-k list ``BLOCK_N = 32``
-keys at a time with eight warps:
+with ``d_qk`` 576 (512 latent + 64 rope) and ``d_v`` 512 within 99 KiB of shared memory; the decode over a bf16
+paged cache (``nsa_backend/kernels/sparse_mla_decode/sm80_gluon.py``) launches the same kernel over the cache's
+pages, with the top-k list split over programs and the splits merged, as the ``tl`` tile serves both. A program
+takes one query row, ``BLOCK_H = 32`` heads and one split of the row's top-k list (grid ``(rows * head blocks,
+splits)``: the head blocks of a row are neighbours in the launch order and gather the same keys) and walks it
+``BLOCK_N = 32`` keys at a time with eight warps:
 
 - the latent part of ``q`` (``[32, 512]``) is loaded once into the registers of the MMA's ``A`` operand and
   stays there; its rope part stays in shared memory;
-- the bf16 key rows of a tile come by ``cp.async`` into a ring of ``STAGES`` buffers (four ``[32, 128]``
-  latent groups and the ``[32, 64]`` rope part each), ``STAGES - 1`` tiles ahead; invalid slots (``< 0``,
-  ``>= s_kv``, past ``topk_length``) are zero-filled and their scores ``-inf``. Both products read the ring
-  buffer itself: there is no conversion, so a tile takes two barriers;
+- the bf16 key rows of a tile (row ``slot % PAGE`` of page ``slot // PAGE``; the prefill's rows are pages of
+  one) come by ``cp.async`` into a ring of ``STAGES`` buffers (four ``[32, 128]`` latent groups and the
+  ``[32, 64]`` rope part each), ``STAGES - 1`` tiles ahead; invalid slots (``< 0``, ``>= n_slots``, past
+  ``topk_length``) are zero-filled and their scores ``-inf``. Both products read the ring buffer itself: there is
+  no conversion, so a tile takes two barriers;
 - :func:`mma_v2_attend_tile` (shared with the fp8 decode of ``sparse_mla_decode/sm89_gluon.py``) computes the
   scores, the online softmax and ``O += P V`` of one tile: the warps form a 2 x 4 grid over
   ``S [32 heads, 32 keys]``, four score accumulators (one per latent group), the scores pass through shared
   memory once and each warp reads its head group's ``[16, 32]`` back in the layout of ``P``'s operand.
 
-Outputs follow the op exactly: natural-log ``lse`` (``+inf`` and ``out = 0`` for a row without a valid key),
-``max_logits`` (``-inf`` then), ``attn_sink`` scaling by ``1 / (1 + exp(sink - lse))``, ``topk_length``
-(``[s_q]``) truncating each row's list.
+Outputs follow the ``tl`` tile (``_sparse_mla_fwd_kernel``): with one split natural-log ``lse`` (``+inf`` and
+``out = 0`` for a row without a valid key), ``max_logits`` (``-inf`` then; the prefill), ``attn_sink`` scaling by
+``1 / (1 + exp(sink - lse))``; with several splits the normalised fp32 partials and base-2 lse that the decode's
+merge combines. ``topk_length`` truncates each batch's lists (``[s_q]`` for the prefill, whose rows are batches
+of one).
 
 Shared memory with two stages: keys 64 KiB + rope 8 KiB + ``q`` rope 4 KiB + scores 4 KiB = 80 KiB.
 """
@@ -122,17 +127,21 @@ if gluon is not None:
         return b_m_new, b_l, b_acc0, b_acc1, b_acc2, b_acc3
 
     @gluon.jit
-    def _prefill_mma_v2_slots(p_idx, n0, n_end, BLOCK_N: gl.constexpr, L_ROW: gl.constexpr):
-        """The slots of the tile at ``n0`` (``-1`` past ``n_end``) in the layout of the copies' rows."""
+    def _mma_v2_slots(p_idx, n0, n_keys, BLOCK_N: gl.constexpr, L_ROW: gl.constexpr):
+        """The slots of the tile at ``n0`` (``-1`` from ``n_keys`` on) in the layout of the copies' rows."""
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_ROW))
-        return gl.load(p_idx + o_n, mask=o_n < n_end, other=-1)
+        return gl.load(p_idx + o_n, mask=o_n < n_keys, other=-1)
 
     @gluon.jit
-    def _prefill_mma_v2_issue(kv_ptr, b_slot, s_kv, stride_kv, k_ring, kr_ring, st, L_ROW: gl.constexpr):
-        """``cp.async`` of the bf16 rows of ``b_slot`` into ring buffer ``st`` (four latent groups and the rope
-        part; invalid slots zero-filled, never dereferenced); one commit group."""
-        m_n = (b_slot >= 0) & (b_slot < s_kv)
-        p_row = gl.expand_dims(kv_ptr + gl.where(m_n, b_slot, 0).to(gl.int64) * stride_kv, 1)
+    def _mma_v2_issue(kv_ptr, b_slot, n_slots, PAGE: gl.constexpr, stride_page, stride_row, k_ring, kr_ring, st,
+                      L_ROW: gl.constexpr):
+        """``cp.async`` of the bf16 rows of ``b_slot`` (row ``slot % PAGE`` of page ``slot // PAGE``) into ring buffer
+        ``st`` (four latent groups and the rope part; invalid slots zero-filled, never dereferenced); one commit
+        group."""
+        m_n = (b_slot >= 0) & (b_slot < n_slots)
+        b_s = gl.where(m_n, b_slot, 0).to(gl.uint32)  # unsigned: no sign fix-ups in the division
+        o_row = (b_s // PAGE).to(gl.int64) * stride_page + (b_s % PAGE).to(gl.int64) * stride_row
+        p_row = gl.expand_dims(kv_ptr + o_row, 1)
         m_row = gl.expand_dims(m_n, 1)
         o_c = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_ROW)), 0)
         for g in gl.static_range(4):
@@ -142,15 +151,27 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _prefill_mma_v2_kernel(
+    def mma_v2_store(p_out, b_acc, b_inv, m_h, SPLIT: gl.constexpr):
+        """Write one normalised ``[BLOCK_H, 128]`` block of ``O`` (fp32 partial or final bf16)."""
+        b_o = b_acc * b_inv
+        if SPLIT:
+            gl.store(p_out, b_o, mask=m_h)
+        else:
+            gl.store(p_out, b_o.to(gl.bfloat16), mask=m_h)
+
+    @gluon.jit
+    def _sparse_mla_mma_v2_kernel(
         q_ptr, kv_ptr, idx_ptr, sink_ptr, topk_len_ptr,
         out_ptr, lse_ptr, max_ptr,
         qk_scale,
-        h_q, topk, s_kv,
-        stride_q_row, stride_q_head, stride_idx_row, stride_kv,
-        stride_o_row, stride_o_head, stride_l_row,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, NUM_WARPS: gl.constexpr,
+        h_q, topk, n_slots, keys_per_split, rows_per_batch,
+        stride_q_row, stride_q_head, stride_idx_row,
+        stride_page, stride_row,
+        stride_ob, stride_or, stride_os, stride_oh,
+        stride_lb, stride_lr, stride_ls, stride_lh,
+        PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_MAX: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
     ):
         gl.static_assert(STAGES >= 2)
         gl.static_assert(NUM_WARPS == 8)
@@ -165,14 +186,22 @@ if gluon is not None:
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
         ROW_P: gl.constexpr = gl.SliceLayout(1, OP_A)
 
+        # program (row, head block) of split i_s; the head blocks of a row are neighbours in the launch order
         n_hb = gl.cdiv(h_q, BLOCK_H)
         i_h = gl.program_id(0) % n_hb
         i_r = (gl.program_id(0) // n_hb).to(gl.int64)
+        if SPLIT:
+            i_s = gl.program_id(1)
+        else:
+            i_s = 0  # one split: the offsets below fold away
         n_end = topk
         if HAS_TOPK_LEN:
-            n_end = gl.minimum(gl.maximum(gl.load(topk_len_ptr + i_r), 0), topk)
-        n_tiles = gl.cdiv(n_end, BLOCK_N)
-        p_idx = idx_ptr + i_r * stride_idx_row
+            n_end = gl.minimum(gl.maximum(gl.load(topk_len_ptr + gl.program_id(0) // n_hb // rows_per_batch), 0), topk)
+        # this split's slots, counted from its first one: fewer values live across the loop
+        n_start = i_s * keys_per_split
+        n_keys = gl.minimum(n_start + keys_per_split, n_end) - n_start
+        n_tiles = gl.cdiv(gl.maximum(n_keys, 0), BLOCK_N)
+        p_idx = idx_ptr + i_r * stride_idx_row + n_start
 
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, BLOCK_N, 128], K_SL)
         kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], K_SL)
@@ -180,10 +209,10 @@ if gluon is not None:
         s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], RAW)
 
         for t in gl.static_range(STAGES - 1):
-            b_slot = _prefill_mma_v2_slots(p_idx, t * BLOCK_N, n_end, BLOCK_N, L_ROW)
-            _prefill_mma_v2_issue(kv_ptr, b_slot, s_kv, stride_kv, k_smem, kr_smem, t, L_ROW)
+            b_slot = _mma_v2_slots(p_idx, t * BLOCK_N, n_keys, BLOCK_N, L_ROW)
+            _mma_v2_issue(kv_ptr, b_slot, n_slots, PAGE, stride_page, stride_row, k_smem, kr_smem, t, L_ROW)
         # the slots of the next tile to copy are read an iteration ahead
-        b_slot = _prefill_mma_v2_slots(p_idx, (STAGES - 1) * BLOCK_N, n_end, BLOCK_N, L_ROW)
+        b_slot = _mma_v2_slots(p_idx, (STAGES - 1) * BLOCK_N, n_keys, BLOCK_N, L_ROW)
 
         # ---- q: the latent part into the registers of the A operand, through the last ring buffer (its first copy
         # is issued in the loop); the rope part stays in shared memory
@@ -198,48 +227,62 @@ if gluon is not None:
         b_acc3 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
         b_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
         o_n = gl.arange(0, BLOCK_N, layout=COL)
-        b_idx = gl.load(p_idx + o_n, mask=o_n < n_end, other=-1)
+        b_idx = gl.load(p_idx + o_n, mask=o_n < n_keys, other=-1)
         for j in range(n_tiles):
             st = j % STAGES
-            m_n = (b_idx >= 0) & (b_idx < s_kv)  # slots past n_end were read as -1
+            m_n = (b_idx >= 0) & (b_idx < n_slots)  # slots past the split were read as -1
             o_n = o_n + BLOCK_N
-            b_idx = gl.load(p_idx + o_n, mask=o_n < n_end, other=-1)
+            b_idx = gl.load(p_idx + o_n, mask=o_n < n_keys, other=-1)
             async_copy.wait_group(STAGES - 2)
             # tile j landed for every thread; every warp is done with tile j - 1: its buffer and scores
             cta_barrier()
             jn = j + STAGES - 1
-            _prefill_mma_v2_issue(kv_ptr, b_slot, s_kv, stride_kv, k_smem, kr_smem, jn % STAGES, L_ROW)
-            b_slot = _prefill_mma_v2_slots(p_idx, (jn + 1) * BLOCK_N, n_end, BLOCK_N, L_ROW)
+            _mma_v2_issue(kv_ptr, b_slot, n_slots, PAGE, stride_page, stride_row, k_smem, kr_smem, jn % STAGES, L_ROW)
+            b_slot = _mma_v2_slots(p_idx, (jn + 1) * BLOCK_N, n_keys, BLOCK_N, L_ROW)
             b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
                 b_q0, b_q1, b_q2, b_q3, k_smem.index(st * 4), k_smem.index(st * 4 + 1), k_smem.index(st * 4 + 2),
                 k_smem.index(st * 4 + 3), qr_smem, kr_smem.index(st), s_smem, m_n, b_m, b_l,
                 b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA)
         async_copy.wait_group(0)
 
-        # ---- epilogue: lse (natural log, +inf without keys), max_logits, the sink's share, out
+        # ---- epilogue. One split: natural-log lse (+inf without keys), max_logits, the sink's share, bf16 out.
+        # Several: the split's base-2 lse (-inf without keys) and its normalised fp32 out, for the merge.
         b_m = gl.convert_layout(b_m, ROW)
         b_l = gl.convert_layout(b_l, ROW)
         m_empty = b_l == 0.0
         b_inv = 1.0 / gl.where(m_empty, 1.0, b_l)
-        b_lse = gl.where(m_empty, float("inf"), (b_m + gl.log2(gl.where(m_empty, 1.0, b_l))) * 0.6931471805599453)
-        i_r = (gl.program_id(0) // n_hb).to(gl.int64)
+        b_lse2 = gl.where(m_empty, float("-inf"), b_m + gl.log2(gl.where(m_empty, 1.0, b_l)))
+        # (the row's batch and position and the split from the program ids again, fewer values live across the loop;
+        # 32-bit divisions: a 64-bit one is a call, around which ptxas saves registers to local memory)
+        i_r32 = gl.program_id(0) // n_hb
+        if SPLIT:
+            i_s = gl.program_id(1)
+        i_b = (i_r32 // rows_per_batch).to(gl.int64)
+        i_q = (i_r32 % rows_per_batch).to(gl.int64)
         o_ho = i_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
         m_h = o_ho < h_q
-        if HAS_SINK:
-            b_sink = gl.load(sink_ptr + o_ho, mask=m_h, other=0.0)
-            # exp(lse) / (exp(lse) + exp(sink)); rows without keys have out = 0 already
-            b_inv = b_inv / (1.0 + gl.exp(b_sink - gl.where(m_empty, 0.0, b_lse)))
-        o_l = i_r * stride_l_row + o_ho
-        gl.store(lse_ptr + o_l, b_lse, mask=m_h)
-        gl.store(max_ptr + o_l, b_m * 0.6931471805599453, mask=m_h)
+        o_l = i_b * stride_lb + i_q * stride_lr + i_s * stride_ls + o_ho.to(gl.int64) * stride_lh
+        if SPLIT:
+            gl.store(lse_ptr + o_l, b_lse2, mask=m_h)
+        else:
+            b_lse = gl.where(m_empty, float("inf"), b_lse2 * 0.6931471805599453)
+            if HAS_SINK:
+                b_sink = gl.load(sink_ptr + o_ho, mask=m_h, other=0.0)
+                # exp(lse) / (exp(lse) + exp(sink)); rows without keys have out = 0 already
+                b_inv = b_inv / (1.0 + gl.exp(b_sink - gl.where(m_empty, 0.0, b_lse)))
+            gl.store(lse_ptr + o_l, b_lse, mask=m_h)
+            if HAS_MAX:
+                gl.store(max_ptr + o_l, b_m * 0.6931471805599453, mask=m_h)
         b_inv = gl.expand_dims(b_inv, 1)
         m_ho = gl.expand_dims(m_h, 1)
         o_d = gl.expand_dims(gl.arange(0, 128, layout=COL), 0)
-        p_out = out_ptr + i_r * stride_o_row + gl.expand_dims(o_ho.to(gl.int64) * stride_o_head, 1) + o_d
-        gl.store(p_out, (b_acc0 * b_inv).to(gl.bfloat16), mask=m_ho)
-        gl.store(p_out + 128, (b_acc1 * b_inv).to(gl.bfloat16), mask=m_ho)
-        gl.store(p_out + 256, (b_acc2 * b_inv).to(gl.bfloat16), mask=m_ho)
-        gl.store(p_out + 384, (b_acc3 * b_inv).to(gl.bfloat16), mask=m_ho)
+        # (the launchers' outputs hold their rows in order: stride_ob == rows_per_batch * stride_or)
+        p_out = (out_ptr + i_r32.to(gl.int64) * stride_or + i_s * stride_os
+                 + gl.expand_dims(o_ho.to(gl.int64) * stride_oh, 1) + o_d)
+        mma_v2_store(p_out, b_acc0, b_inv, m_ho, SPLIT)
+        mma_v2_store(p_out + 128, b_acc1, b_inv, m_ho, SPLIT)
+        mma_v2_store(p_out + 256, b_acc2, b_inv, m_ho, SPLIT)
+        mma_v2_store(p_out + 384, b_acc3, b_inv, m_ho, SPLIT)
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> bool:
@@ -272,26 +315,28 @@ def flash_mla_sparse_fwd_mma_v2(
     if s_q == 0:
         return out, max_logits, lse
     kv2, idx = prefill_rows(kv, indices)
-    cached_launcher(_prefill_mma_v2_kernel)[(s_q * triton.cdiv(h_q, BLOCK_H),)](
+    cached_launcher(_sparse_mla_mma_v2_kernel)[(s_q * triton.cdiv(h_q, BLOCK_H), 1)](
         q, kv2, idx, attn_sink, topk_length, out, lse, max_logits,
-        sm_scale * LOG2E, h_q, topk, s_kv,
-        q.stride(0), q.stride(1), idx.stride(0), kv2.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0),
-        **constexprs(attn_sink is not None, topk_length is not None, stages),
-        num_warps=NUM_WARPS,
+        sm_scale * LOG2E, h_q, topk, s_kv, topk, 1,
+        q.stride(0), q.stride(1), idx.stride(0), kv2.stride(0), 0,
+        out.stride(0), out.stride(0), 0, out.stride(1),
+        lse.stride(0), 0, 0, lse.stride(1),
+        **constexprs(1, False, attn_sink is not None, topk_length is not None, True, stages),
     )
     return out, max_logits, lse
 
 
-def constexprs(has_sink: bool, has_topk_len: bool, stages: int = STAGES) -> dict:
-    """The kernel's compile-time arguments (launches and ahead-of-time compiles)."""
-    return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=stages, HAS_SINK=has_sink, HAS_TOPK_LEN=has_topk_len,
-                NUM_WARPS=NUM_WARPS)
+def constexprs(page: int, split: bool, has_sink: bool, has_topk_len: bool, has_max: bool,
+               stages: int = STAGES) -> dict:
+    """The kernel's compile-time arguments and launch options: ``page`` slots per page of ``kv`` (1 for the
+    prefill's rows), ``split`` partials for the merge, ``has_max`` the prefill's ``max_logits``."""
+    return dict(PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=stages, SPLIT=split, HAS_SINK=has_sink,
+                HAS_TOPK_LEN=has_topk_len, HAS_MAX=has_max, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS)
 
 
 def kernel():
     """The Gluon kernel (ahead-of-time compiles)."""
-    return _prefill_mma_v2_kernel
+    return _sparse_mla_mma_v2_kernel
 
 
 __all__ = ["MMA_V2_PREFILL_ARCHS", "constexprs", "flash_mla_sparse_fwd_mma_v2", "kernel", "supported"]
