@@ -1,7 +1,8 @@
 """Gluon mma.sync sparse MLA decode over a bf16 paged cache (sm_80 / 86 / 89 / 120 / 121) against
 ``nsa_backend.reference``.
 
-CPU: the support rules, the split plan (a function of the shapes only) and the gate (never taken off CUDA). The
+CPU: the support rules, the split plan (a function of the shapes only), the gate (never taken off CUDA) and the
+launch (recorded, not run: every query row, head and split addressed where its output lies, the partials merged). The
 ahead-of-time compile for sm_80 / 86 / 89 / 120 / 121 (within 99 KiB, registers and spills) is part of
 ``tests/ops/test_aot_resources.py`` (kind ``decode_bf16_mma_v2`` of the sparse_mla family).
 GPU (a Triton with Gluon and an sm_80 or newer GPU; on an sm_90 GPU the kernel runs as the sm120 proxy runs it): a
@@ -20,7 +21,10 @@ import pytest
 import torch
 
 from tests.ops._cuda_graph import capture
+from tests.ops._gluon import gluon_available
+from tests.ops._launch_recorder import LaunchRecorder, element_offsets
 from tests.ops.test_sparse_mla import decode_case, run_decode_case
+from tests.ops.test_sparse_mla_prefill_mma_v2 import mma_v2_kernel_offsets
 
 triton = pytest.importorskip("triton")
 
@@ -81,6 +85,54 @@ def test_gate_off_without_cuda():
 
     q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
     assert not _mma_v2_bf16_route(q, torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16), "bf16", 512)
+
+
+@pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon")
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_launch_addresses_every_row_head_and_split(monkeypatch, num_splits):
+    """The decode launcher's arguments make the kernel read each query row's ``q`` and write each row's ``out`` /
+    ``lse`` (one split) or each split's partials (several, then merged) where they are laid out, over the cache's
+    spaced pages."""
+    from nsa_backend.kernels.sparse_mla_decode import merge
+    from nsa_backend.kernels.sparse_mla_decode import sm80_gluon as G
+    from nsa_backend.kernels.sparse_mla_prefill import sm80_gluon as tile
+
+    rec = LaunchRecorder(tile.kernel())
+    merged = []
+    monkeypatch.setattr(G, "cached_launcher", lambda kernel: rec)
+    monkeypatch.setattr(merge, "merge_splits", lambda *args: merged.append(args))
+    B, s_q, h_q, topk, num_blocks, page = 3, 2, 40, 300, 5, 64
+    q = torch.zeros(B, s_q, h_q, 576, dtype=torch.bfloat16)
+    spaced = torch.zeros(num_blocks, page * 576 + 64, dtype=torch.bfloat16)  # pages 64 elements apart
+    cache = spaced[:, : page * 576].view(num_blocks, page, 1, 576)
+    idx = torch.zeros(B, s_q, topk, dtype=torch.int32)
+    sink, topk_len = torch.zeros(h_q), torch.full((B,), topk, dtype=torch.int32)
+    out, lse = G.sparse_mla_decode_bf16_mma_v2(q, cache, idx, 0.1, attn_sink=sink, topk_length=topk_len,
+                                               num_splits=num_splits)
+    ((grid, a, opt),) = rec.launches
+    rows = B * s_q
+    assert grid == (rows * 2, num_splits)  # flat (row, head block) programs, one per split
+    assert a["q_ptr"] is q and a["kv_ptr"] is cache and a["topk_len_ptr"] is topk_len and a["max_ptr"] is None
+    assert (a["n_slots"], a["rows_per_batch"], a["topk"]) == (num_blocks * page, s_q, topk)
+    assert (a["stride_page"], a["stride_row"]) == (cache.stride(0), cache.stride(1)) and opt["PAGE"] == page
+    assert a["keys_per_split"] * num_splits >= topk and not opt["HAS_MAX"]
+    assert torch.equal(mma_v2_kernel_offsets(a, rows, h_q)["q"], element_offsets(q).view(rows, h_q, 576)[..., 0])
+    if num_splits == 1:
+        assert a["out_ptr"] is out and a["lse_ptr"] is lse and a["sink_ptr"] is sink and opt["HAS_SINK"]
+        assert not opt["SPLIT"] and not merged
+        got = mma_v2_kernel_offsets(a, rows, h_q)
+        assert torch.equal(got["out"], element_offsets(out).view(rows, h_q, 512)[..., 0])
+        assert torch.equal(got["lse"], element_offsets(lse).transpose(1, 2).reshape(rows, h_q))  # lse [B, h_q, s_q]
+        return
+    part_o, part_lse = a["out_ptr"], a["lse_ptr"]
+    assert opt["SPLIT"] and not opt["HAS_SINK"] and a["sink_ptr"] is None  # the merge applies the sink
+    assert part_o.shape == (rows, num_splits, h_q, 512) and part_o.dtype == torch.float32
+    ((m_o, m_lse, m_sink, m_out, m_final_lse),) = merged
+    assert m_o is part_o and m_lse is part_lse and m_sink is sink and m_out is out and m_final_lse is lse
+    for split in range(num_splits):
+        got = mma_v2_kernel_offsets(a, rows, h_q, split)
+        assert torch.equal(got["out"], element_offsets(part_o)[:, split, :, 0])
+        assert torch.equal(got["lse"], element_offsets(part_lse)[:, split, :])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Gluon mma.sync sparse MLA prefill (sm_80 / 86 / 89 / 120 / 121, bf16 keys) against ``nsa_backend.reference``.
 
-CPU: the support rules and the gate (never taken off CUDA). The ahead-of-time compile for sm_80 / 86 / 89 / 120 /
-121 (within 99 KiB, registers and spills) is part of ``tests/ops/test_aot_resources.py`` (kind ``prefill_mma_v2``
-of the sparse_mla family).
+CPU: the support rules, the gate (never taken off CUDA) and the launch (recorded, not run: the kernel reads
+each row's ``q`` and writes each row's outputs where the op lays them out). The ahead-of-time compile for sm_80 /
+86 / 89 / 120 / 121 (within 99 KiB, registers and spills) is part of ``tests/ops/test_aot_resources.py`` (kind
+``prefill_mma_v2`` of the sparse_mla family).
 GPU (a Triton with Gluon and an sm_80 or newer GPU; on an sm_90 GPU the kernel runs as the sm120 proxy runs it): a
 300-case seeded fuzz of the kernel against the fp32 reference (1..128 heads and counts that are not multiples of
 the head block, top-k lists of 1..4096 slots, invalid slots ``-1`` / ``>= s_kv`` / other negatives, attn_sink,
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 from tests.ops._cuda_graph import capture
+from tests.ops._gluon import gluon_available
+from tests.ops._launch_recorder import LaunchRecorder, element_offsets
 from tests.ops.test_sparse_mla import prefill_case, run_prefill_case
 
 triton = pytest.importorskip("triton")
@@ -63,6 +66,48 @@ def test_gate_off_without_cuda():
 
     q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     assert not G.supported(q, torch.zeros(8, 1, 576, dtype=torch.bfloat16), 512, None)
+
+
+def mma_v2_kernel_offsets(a: dict, rows: int, h_q: int, split: int = 0) -> dict[str, torch.Tensor]:
+    """Where ``_sparse_mla_mma_v2_kernel`` reads ``q`` and writes ``out`` / ``lse`` / ``max_logits`` for each
+    ``(row, head)`` of split ``split`` (element offsets from the pointers), computed from the launch's arguments
+    ``a`` as the kernel computes them: a row is a flat query row, batch ``row // rows_per_batch``, position
+    ``row % rows_per_batch``; ``out`` by ``row * stride_or`` (the kernel never reads ``stride_ob``)."""
+    r = torch.arange(rows).view(-1, 1)
+    h = torch.arange(h_q).view(1, -1)
+    rpb = a["rows_per_batch"]
+    lse = (r // rpb) * a["stride_lb"] + (r % rpb) * a["stride_lr"] + split * a["stride_ls"] + h * a["stride_lh"]
+    return {"q": r * a["stride_q_row"] + h * a["stride_q_head"],
+            "out": r * a["stride_or"] + split * a["stride_os"] + h * a["stride_oh"], "lse": lse}
+
+
+@pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon")
+@pytest.mark.parametrize("stages", [2, 3])
+def test_launch_addresses_every_row_and_head(monkeypatch, stages):
+    """The prefill launcher's arguments make the kernel read each row's ``q`` and write each row's ``out``,
+    ``lse`` and ``max_logits`` where the op lays them out (a stride passed as 0 put every row on row 0 once)."""
+    from nsa_backend.kernels.sparse_mla_prefill import sm80_gluon as G
+
+    rec = LaunchRecorder(G.kernel())
+    monkeypatch.setattr(G, "cached_launcher", lambda kernel: rec)
+    s_q, h_q, s_kv, topk = 5, 40, 70, 64
+    q = torch.zeros(s_q, h_q, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(s_kv, 1, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(s_q, 1, topk, dtype=torch.int32)
+    sink = torch.zeros(h_q)
+    out, max_logits, lse = G.flash_mla_sparse_fwd_mma_v2(q, kv, idx, 0.1, attn_sink=sink, stages=stages)
+    ((grid, a, opt),) = rec.launches
+    assert grid == (s_q * 2, 1)  # two 32-head blocks per row, one split
+    assert a["q_ptr"] is q and a["out_ptr"] is out and a["lse_ptr"] is lse and a["max_ptr"] is max_logits
+    assert a["sink_ptr"] is sink and a["topk_len_ptr"] is None
+    assert (a["n_slots"], a["keys_per_split"], a["topk"], a["h_q"]) == (s_kv, topk, topk, h_q)
+    assert a["stride_page"] == 576 and a["idx_ptr"].shape == (s_q, topk) and a["stride_idx_row"] == topk
+    assert (opt["PAGE"], opt["SPLIT"], opt["HAS_MAX"], opt["HAS_SINK"], opt["STAGES"]) == (1, False, True, True, stages)
+    got = mma_v2_kernel_offsets(a, s_q, h_q)
+    assert torch.equal(got["q"], element_offsets(q)[..., 0])
+    assert torch.equal(got["out"], element_offsets(out)[..., 0])
+    assert torch.equal(got["lse"], element_offsets(lse))
+    assert torch.equal(got["lse"], element_offsets(max_logits))  # max_logits at lse's offsets
 
 
 # ------------------------------------------------------------------------------------------------
