@@ -1,6 +1,7 @@
 """Gluon mma.sync sparse MLA decode (sm_89 / 120 / 121, "fp8_ds_mla" cache) against ``nsa_backend.reference``.
 
-CPU: the support rules, the split plan (a function of the shapes only) and the gate (never taken off CUDA).
+CPU: the support rules, the split plan (a function of the shapes only), the gate (never taken off CUDA) and the
+launch (recorded, not run: every query row, head and split addressed where its output lies, the partials merged).
 The ahead-of-time compile for sm_89 / 120 / 121 (within 99 KiB, registers and spills) is part of
 ``tests/ops/test_aot_resources.py`` (kind ``decode_mma_v2`` of the sparse_mla family).
 GPU (a Triton with Gluon and a GPU with e4m3, sm_89 or newer; on an sm_90 GPU the kernel runs as the sm120
@@ -20,7 +21,10 @@ import pytest
 import torch
 
 from tests.ops._cuda_graph import capture
+from tests.ops._gluon import gluon_available
+from tests.ops._launch_recorder import LaunchRecorder, element_offsets
 from tests.ops.test_sparse_mla import _check_out, _check_stat, _fp32_reference_decode, decode_case, run_decode_case
+from tests.ops.test_sparse_mla_prefill_mma_v2 import mma_v2_kernel_offsets
 
 triton = pytest.importorskip("triton")
 
@@ -76,6 +80,47 @@ def test_gate_off_without_cuda():
 
     q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
     assert not _mma_v2_route(q, torch.zeros(4, 64, 656, dtype=torch.uint8), "fp8_ds_mla", 512)
+
+
+@pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon")
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_launch_addresses_every_row_head_and_split(monkeypatch, num_splits):
+    """The launcher's arguments make the kernel read each query row's ``q`` and write each row's ``out`` / ``lse``
+    (one split) or each split's partials (several, then merged) where they are laid out."""
+    from nsa_backend.kernels.sparse_mla_decode import merge
+    from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as G
+
+    rec = LaunchRecorder(G.kernel())
+    merged = []
+    monkeypatch.setattr(G, "cached_launcher", lambda kernel: rec)
+    monkeypatch.setattr(merge, "merge_splits", lambda *args: merged.append(args))
+    B, s_q, h_q, topk, num_blocks, page = 3, 2, 40, 300, 5, 64
+    q = torch.zeros(B, s_q, h_q, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(num_blocks, page, 656, dtype=torch.uint8)
+    idx = torch.zeros(B, s_q, topk, dtype=torch.int32)
+    sink = torch.zeros(h_q)
+    out, lse = G.sparse_mla_decode_mma_v2(q, cache, idx, 0.1, attn_sink=sink, num_splits=num_splits)
+    ((grid, a, opt),) = rec.launches
+    rows = B * s_q
+    assert grid == (2, rows, num_splits)  # (head blocks, query rows, splits)
+    assert (a["n_slots"], a["rows_per_batch"], a["stride_page"], a["stride_row"]) == (num_blocks * page, s_q,
+                                                                                       page * 656, 656)
+    assert a["keys_per_split"] * num_splits >= topk and opt["PAGE"] == page and opt["SPLIT"] == (num_splits > 1)
+    got = mma_v2_kernel_offsets(a, rows, h_q, out_by_batch=True)
+    assert torch.equal(got["q"], element_offsets(q).view(rows, h_q, 576)[..., 0])
+    if num_splits == 1:
+        assert a["out_ptr"] is out and a["lse_ptr"] is lse and a["sink_ptr"] is sink and not merged
+        assert torch.equal(got["out"], element_offsets(out).view(rows, h_q, 512)[..., 0])
+        assert torch.equal(got["lse"], element_offsets(lse).transpose(1, 2).reshape(rows, h_q))  # lse [B, h_q, s_q]
+        return
+    part_o, part_lse = a["out_ptr"], a["lse_ptr"]
+    assert a["sink_ptr"] is None and not opt["HAS_SINK"]  # the merge applies the sink
+    ((m_o, m_lse, m_sink, m_out, m_final_lse),) = merged
+    assert m_o is part_o and m_lse is part_lse and m_sink is sink and m_out is out and m_final_lse is lse
+    for split in range(num_splits):
+        got = mma_v2_kernel_offsets(a, rows, h_q, split, out_by_batch=True)
+        assert torch.equal(got["out"], element_offsets(part_o)[:, split, :, 0])
+        assert torch.equal(got["lse"], element_offsets(part_lse)[:, split, :])
 
 
 # ------------------------------------------------------------------------------------------------

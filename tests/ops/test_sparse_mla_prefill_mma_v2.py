@@ -68,17 +68,20 @@ def test_gate_off_without_cuda():
     assert not G.supported(q, torch.zeros(8, 1, 576, dtype=torch.bfloat16), 512, None)
 
 
-def mma_v2_kernel_offsets(a: dict, rows: int, h_q: int, split: int = 0) -> dict[str, torch.Tensor]:
-    """Where ``_sparse_mla_mma_v2_kernel`` reads ``q`` and writes ``out`` / ``lse`` / ``max_logits`` for each
-    ``(row, head)`` of split ``split`` (element offsets from the pointers), computed from the launch's arguments
-    ``a`` as the kernel computes them: a row is a flat query row, batch ``row // rows_per_batch``, position
-    ``row % rows_per_batch``; ``out`` by ``row * stride_or`` (the kernel never reads ``stride_ob``)."""
+def mma_v2_kernel_offsets(a: dict, rows: int, h_q: int, split: int = 0,
+                          out_by_batch: bool = False) -> dict[str, torch.Tensor]:
+    """Where the mma.sync kernels read ``q`` and write ``out`` / ``lse`` / ``max_logits`` for each ``(row, head)``
+    of split ``split`` (element offsets from the pointers), computed from the launch's arguments ``a`` as the
+    kernels compute them: a row is a flat query row, batch ``row // rows_per_batch``, position
+    ``row % rows_per_batch``. ``out`` of ``_sparse_mla_mma_v2_kernel`` by ``row * stride_or`` (it never reads
+    ``stride_ob``); of the fp8 decode's kernel by batch and position (``out_by_batch``)."""
     r = torch.arange(rows).view(-1, 1)
     h = torch.arange(h_q).view(1, -1)
-    rpb = a["rows_per_batch"]
-    lse = (r // rpb) * a["stride_lb"] + (r % rpb) * a["stride_lr"] + split * a["stride_ls"] + h * a["stride_lh"]
+    b, pos = r // a["rows_per_batch"], r % a["rows_per_batch"]
+    out_row = b * a["stride_ob"] + pos * a["stride_or"] if out_by_batch else r * a["stride_or"]
     return {"q": r * a["stride_q_row"] + h * a["stride_q_head"],
-            "out": r * a["stride_or"] + split * a["stride_os"] + h * a["stride_oh"], "lse": lse}
+            "out": out_row + split * a["stride_os"] + h * a["stride_oh"],
+            "lse": b * a["stride_lb"] + pos * a["stride_lr"] + split * a["stride_ls"] + h * a["stride_lh"]}
 
 
 @pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon")
