@@ -22,9 +22,9 @@ import torch
 
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import gluon_available
-from tests.ops._launch_recorder import LaunchRecorder, element_offsets
+from tests.ops._launch_recorder import LaunchRecorder
 from tests.ops.test_sparse_mla import decode_case, run_decode_case
-from tests.ops.test_sparse_mla_prefill_mma_v2 import mma_v2_kernel_offsets
+from tests.ops.test_sparse_mla_prefill_mma_v2 import check_decode_launch
 
 triton = pytest.importorskip("triton")
 
@@ -110,29 +110,12 @@ def test_launch_addresses_every_row_head_and_split(monkeypatch, num_splits):
     out, lse = G.sparse_mla_decode_bf16_mma_v2(q, cache, idx, 0.1, attn_sink=sink, topk_length=topk_len,
                                                num_splits=num_splits)
     ((grid, a, opt),) = rec.launches
-    rows = B * s_q
-    assert grid == (rows * 2, num_splits)  # flat (row, head block) programs, one per split
+    assert grid == (B * s_q * 2, num_splits)  # flat (row, head block) programs, one per split
     assert a["q_ptr"] is q and a["kv_ptr"] is cache and a["topk_len_ptr"] is topk_len and a["max_ptr"] is None
     assert (a["n_slots"], a["rows_per_batch"], a["topk"]) == (num_blocks * page, s_q, topk)
     assert (a["stride_page"], a["stride_row"]) == (cache.stride(0), cache.stride(1)) and opt["PAGE"] == page
     assert a["keys_per_split"] * num_splits >= topk and not opt["HAS_MAX"]
-    assert torch.equal(mma_v2_kernel_offsets(a, rows, h_q)["q"], element_offsets(q).view(rows, h_q, 576)[..., 0])
-    if num_splits == 1:
-        assert a["out_ptr"] is out and a["lse_ptr"] is lse and a["sink_ptr"] is sink and opt["HAS_SINK"]
-        assert not opt["SPLIT"] and not merged
-        got = mma_v2_kernel_offsets(a, rows, h_q)
-        assert torch.equal(got["out"], element_offsets(out).view(rows, h_q, 512)[..., 0])
-        assert torch.equal(got["lse"], element_offsets(lse).transpose(1, 2).reshape(rows, h_q))  # lse [B, h_q, s_q]
-        return
-    part_o, part_lse = a["out_ptr"], a["lse_ptr"]
-    assert opt["SPLIT"] and not opt["HAS_SINK"] and a["sink_ptr"] is None  # the merge applies the sink
-    assert part_o.shape == (rows, num_splits, h_q, 512) and part_o.dtype == torch.float32
-    ((m_o, m_lse, m_sink, m_out, m_final_lse),) = merged
-    assert m_o is part_o and m_lse is part_lse and m_sink is sink and m_out is out and m_final_lse is lse
-    for split in range(num_splits):
-        got = mma_v2_kernel_offsets(a, rows, h_q, split)
-        assert torch.equal(got["out"], element_offsets(part_o)[:, split, :, 0])
-        assert torch.equal(got["lse"], element_offsets(part_lse)[:, split, :])
+    check_decode_launch(a, opt, merged, q, out, lse, sink, num_splits, out_by_batch=False)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ import torch
 
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import gluon_available
-from tests.ops._launch_recorder import LaunchRecorder, element_offsets
+from tests.ops._launch_recorder import LaunchRecorder
 from tests.ops.test_sparse_mla import _check_out, _check_stat, _fp32_reference_decode, decode_case, run_decode_case
-from tests.ops.test_sparse_mla_prefill_mma_v2 import mma_v2_kernel_offsets
+from tests.ops.test_sparse_mla_prefill_mma_v2 import check_decode_launch
 
 triton = pytest.importorskip("triton")
 
@@ -101,26 +101,11 @@ def test_launch_addresses_every_row_head_and_split(monkeypatch, num_splits):
     sink = torch.zeros(h_q)
     out, lse = G.sparse_mla_decode_mma_v2(q, cache, idx, 0.1, attn_sink=sink, num_splits=num_splits)
     ((grid, a, opt),) = rec.launches
-    rows = B * s_q
-    assert grid == (2, rows, num_splits)  # (head blocks, query rows, splits)
+    assert grid == (2, B * s_q, num_splits)  # (head blocks, query rows, splits)
     assert (a["n_slots"], a["rows_per_batch"], a["stride_page"], a["stride_row"]) == (num_blocks * page, s_q,
                                                                                        page * 656, 656)
     assert a["keys_per_split"] * num_splits >= topk and opt["PAGE"] == page and opt["SPLIT"] == (num_splits > 1)
-    got = mma_v2_kernel_offsets(a, rows, h_q, out_by_batch=True)
-    assert torch.equal(got["q"], element_offsets(q).view(rows, h_q, 576)[..., 0])
-    if num_splits == 1:
-        assert a["out_ptr"] is out and a["lse_ptr"] is lse and a["sink_ptr"] is sink and not merged
-        assert torch.equal(got["out"], element_offsets(out).view(rows, h_q, 512)[..., 0])
-        assert torch.equal(got["lse"], element_offsets(lse).transpose(1, 2).reshape(rows, h_q))  # lse [B, h_q, s_q]
-        return
-    part_o, part_lse = a["out_ptr"], a["lse_ptr"]
-    assert a["sink_ptr"] is None and not opt["HAS_SINK"]  # the merge applies the sink
-    ((m_o, m_lse, m_sink, m_out, m_final_lse),) = merged
-    assert m_o is part_o and m_lse is part_lse and m_sink is sink and m_out is out and m_final_lse is lse
-    for split in range(num_splits):
-        got = mma_v2_kernel_offsets(a, rows, h_q, split, out_by_batch=True)
-        assert torch.equal(got["out"], element_offsets(part_o)[:, split, :, 0])
-        assert torch.equal(got["lse"], element_offsets(part_lse)[:, split, :])
+    check_decode_launch(a, opt, merged, q, out, lse, sink, num_splits, out_by_batch=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -84,6 +84,32 @@ def mma_v2_kernel_offsets(a: dict, rows: int, h_q: int, split: int = 0,
             "lse": b * a["stride_lb"] + pos * a["stride_lr"] + split * a["stride_ls"] + h * a["stride_lh"]}
 
 
+def check_decode_launch(a: dict, opt: dict, merged: list, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        sink: torch.Tensor, num_splits: int, out_by_batch: bool) -> None:
+    """Check a recorded decode launch of an mma.sync kernel (arguments ``a``, options ``opt``; ``merged``: the
+    recorded ``merge_splits`` calls): every query row's ``q`` read and every row, head and split written where the
+    op's tensors (``out [B, s_q, h_q, d_v]``, ``lse [B, h_q, s_q]``) or the split partials hold them."""
+    B, s_q, h_q, _ = q.shape
+    rows = B * s_q
+    got = mma_v2_kernel_offsets(a, rows, h_q, out_by_batch=out_by_batch)
+    assert torch.equal(got["q"], element_offsets(q).view(rows, h_q, -1)[..., 0])
+    if num_splits == 1:
+        assert a["out_ptr"] is out and a["lse_ptr"] is lse and a["sink_ptr"] is sink and opt["HAS_SINK"]
+        assert not opt["SPLIT"] and not merged
+        assert torch.equal(got["out"], element_offsets(out).view(rows, h_q, -1)[..., 0])
+        assert torch.equal(got["lse"], element_offsets(lse).transpose(1, 2).reshape(rows, h_q))
+        return
+    part_o, part_lse = a["out_ptr"], a["lse_ptr"]
+    assert opt["SPLIT"] and not opt["HAS_SINK"] and a["sink_ptr"] is None  # the merge applies the sink
+    assert part_o.shape == (rows, num_splits, h_q, out.shape[-1]) and part_o.dtype == torch.float32
+    ((m_o, m_lse, m_sink, m_out, m_final_lse),) = merged
+    assert m_o is part_o and m_lse is part_lse and m_sink is sink and m_out is out and m_final_lse is lse
+    for split in range(num_splits):
+        got = mma_v2_kernel_offsets(a, rows, h_q, split, out_by_batch=out_by_batch)
+        assert torch.equal(got["out"], element_offsets(part_o)[:, split, :, 0])
+        assert torch.equal(got["lse"], element_offsets(part_lse)[:, split, :])
+
+
 @pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon")
 @pytest.mark.parametrize("stages", [2, 3])
 def test_launch_addresses_every_row_and_head(monkeypatch, stages):
