@@ -243,6 +243,16 @@ def decode_num_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_
     return split_keys(topk, min(want, most, MAX_SPLITS), block_n)
 
 
+def one_wave_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_sms: int,
+                    num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, keys_per_split)`` for kernels whose program fills an SM's shared memory: the top-k list is
+    split until ``rows * head_blocks`` programs make one wave of one program per SM (``decode_num_splits``), or
+    into about ``num_splits`` splits where the caller gives them."""
+    if num_splits is None:
+        return decode_num_splits(rows, head_blocks, topk, block_n, num_sms, programs_per_sm=1)
+    return split_keys(topk, num_splits, block_n)
+
+
 def split_keys(topk: int, num_splits: int, block_n: int) -> tuple[int, int]:
     """``(num_splits, keys_per_split)`` for about ``num_splits`` splits of whole ``block_n`` tiles
     (the count can drop so that no split is empty)."""

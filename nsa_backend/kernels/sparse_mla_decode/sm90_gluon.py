@@ -88,7 +88,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from nsa_backend.configs.sparse_mla import decode_num_splits, split_keys
+from nsa_backend.configs.sparse_mla import one_wave_splits
 from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
@@ -887,10 +887,7 @@ def decode_gluon_plan(B: int, s_q: int, h_q: int, topk: int, num_sms: int, block
     bh, bn, _ = _plan_default(h_q)
     bh, bn = block_h or bh, block_n or bn
     st = stages or _plan_default(bh)[2]
-    if num_splits is None:
-        splits, per = decode_num_splits(B * s_q, triton.cdiv(h_q, bh), topk, bn, num_sms, programs_per_sm=1)
-    else:
-        splits, per = split_keys(topk, num_splits, bn)
+    splits, per = one_wave_splits(B * s_q, triton.cdiv(h_q, bh), topk, bn, num_sms, num_splits)
     return bh, bn, st, splits, per
 
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from nsa_backend.configs.sparse_mla import decode_num_splits, split_keys
+from nsa_backend.configs.sparse_mla import one_wave_splits
 from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
@@ -386,10 +386,7 @@ def plan(B: int, s_q: int, h_q: int, topk: int, num_sms: int,
     One program fills an SM's shared memory, so the top-k list is split until the programs of all
     rows and head blocks make one wave of one program per SM.
     """
-    if num_splits is None:
-        return decode_num_splits(B * s_q, triton.cdiv(h_q, BLOCK_H), topk, BLOCK_N, num_sms,
-                                 programs_per_sm=1)
-    return split_keys(topk, num_splits, BLOCK_N)
+    return one_wave_splits(B * s_q, triton.cdiv(h_q, BLOCK_H), topk, BLOCK_N, num_sms, num_splits)
 
 
 def _constexprs(split: bool, has_sink: bool, has_topk_len: bool, pow2_scales: bool = False, **overrides) -> dict:
