@@ -1,0 +1,44 @@
+"""The split plans of the sparse MLA decode launchers (``nsa_backend/configs/sparse_mla.py``): pure functions of the
+shapes, checked here on their properties rather than through a launch."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from nsa_backend.configs.sparse_mla import (
+    MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    decode_num_splits,
+    one_wave_splits,
+    split_keys,
+)
+
+CASES = list(itertools.product([1, 64, 100, 2048, 2049], [1, 2, 3, 7, 64], [32, 64]))
+
+
+@pytest.mark.parametrize("topk, num_splits, block_n", CASES)
+def test_split_keys_covers_the_list_with_whole_tiles(topk, num_splits, block_n):
+    splits, per = split_keys(topk, num_splits, block_n)
+    assert per % block_n == 0
+    assert 1 <= splits <= num_splits
+    # every key has a split and no split is empty
+    assert splits * per >= topk > (splits - 1) * per
+
+
+@pytest.mark.parametrize("rows, head_blocks, num_sms", [(1, 1, 132), (4, 2, 132), (32, 2, 170), (128, 4, 132),
+                                                        (7, 3, 84), (1, 1, 8)])
+def test_one_wave_splits_fills_one_wave(rows, head_blocks, num_sms):
+    splits, per = one_wave_splits(rows, head_blocks, 2048, 32, num_sms)
+    assert (splits, per) == decode_num_splits(rows, head_blocks, 2048, 32, num_sms, programs_per_sm=1)
+    assert splits * per >= 2048 and per % 32 == 0
+    assert splits <= MAX_SPLITS and per >= MIN_KEYS_PER_SPLIT
+    # one program per SM: the programs of all splits make at most one wave, unless one split already overfills it
+    assert rows * head_blocks * splits <= num_sms or splits == 1
+
+
+def test_one_wave_splits_takes_the_callers_count():
+    assert one_wave_splits(1, 1, 2048, 32, 132, num_splits=3) == split_keys(2048, 3, 32) == (3, 704)
+    assert one_wave_splits(128, 4, 2048, 32, 132, num_splits=2) == (2, 1024)
+    assert one_wave_splits(1, 1, 64, 32, 132, num_splits=1) == (1, 64)
