@@ -3,21 +3,15 @@ GPU each op's call runs between the profiler marks."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "profile_call.py"
+from tests.bench._scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def profile_call():
-    spec = importlib.util.spec_from_file_location("profile_call", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_call")
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 from nsa_backend.configs import mhc as cfgs
 from nsa_backend.kernels.aot import SHARED_MEMORY_PER_SM
-
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "proxy_sweeps.py"
+from tests.bench._scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def sweeps():
-    spec = importlib.util.spec_from_file_location("proxy_sweeps", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("proxy_sweeps")
 
 
 @pytest.mark.parametrize("argv, says", [
