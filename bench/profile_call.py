@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -28,8 +29,11 @@ import nsa_backend as nb
 from nsa_backend.bench import proxy
 from nsa_backend.bench.indexer import paged_inputs
 from nsa_backend.bench.sparse_mla import DECODE_SCALE_FORMAT, decode_inputs, prefill_inputs
+from nsa_backend.kernels._arch import device_sms
 
 OPS = ("prefill", "decode", "paged", "mhc")
+# DeepSeek-V4's mHC pre-norm GEMM: N = hc_mult * (2 + hc_mult) = 24, K = hc_mult * hidden = 4 * 7168.
+MHC_N, MHC_K = 24, 28672
 KV_FORMATS = ("fp8", "bf16")
 
 
@@ -89,28 +93,31 @@ def bf16_cache(fp8_cache: torch.Tensor) -> torch.Tensor:
     return torch.randn(num_blocks, page, 1, 576, generator=g).to(device=fp8_cache.device, dtype=torch.bfloat16)
 
 
-def build_call(args: argparse.Namespace, device: torch.device) -> Callable[[], object]:
-    """The op's call on the benchmark suite's inputs for ``args``."""
+def op_arguments(args: argparse.Namespace, device: torch.device) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The public op ``args`` names and its keyword arguments (the benchmark suite's inputs), without ``impl``."""
     if args.op == "prefill":
-        inputs = prefill_inputs(args.s_q or 4096, args.s_kv, args.h_q, args.topk, device)
-        return lambda: nb.flash_mla_sparse_fwd(**inputs, impl="triton")
+        return nb.flash_mla_sparse_fwd, prefill_inputs(args.s_q or 4096, args.s_kv, args.h_q, args.topk, device)
     if args.op == "decode":
         inputs = decode_inputs(args.b, args.s_q or 1, args.h_q, args.topk, device)
         if args.kv == "bf16":
-            inputs["kv_cache"] = bf16_cache(inputs["kv_cache"])
-            return lambda: nb.sparse_mla_decode(**inputs, kv_format="bf16", impl="triton")
-        return lambda: nb.sparse_mla_decode(**inputs, kv_scale_format=DECODE_SCALE_FORMAT, impl="triton")
+            return nb.sparse_mla_decode, {**inputs, "kv_cache": bf16_cache(inputs["kv_cache"]), "kv_format": "bf16"}
+        return nb.sparse_mla_decode, {**inputs, "kv_scale_format": DECODE_SCALE_FORMAT}
     if args.op == "paged":
         q, cache, w, ctx, table = paged_inputs(args.b, args.context, args.next_n, args.heads, 128,
                                                device=str(device))
-        meta = nb.get_paged_mqa_logits_metadata(ctx, 64, torch.cuda.get_device_properties(device).multi_processor_count,
-                                                impl="triton")
-        return lambda: nb.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, args.context, impl="triton")
-    a = torch.randn(args.m, 28672, device=device).bfloat16()
-    b = torch.randn(24, 28672, device=device)
-    d = torch.empty(args.m, 24, device=device)
-    s = torch.empty(args.m, device=device)
-    return lambda: nb.tf32_hc_prenorm_gemm(a, b, d, s, None, impl="triton")
+        meta = nb.get_paged_mqa_logits_metadata(ctx, 64, device_sms(device, 8), impl="triton")
+        return nb.fp8_paged_mqa_logits, dict(q=q, kv_cache=cache, weights=w, context_lens=ctx, block_table=table,
+                                             schedule_meta=meta, max_context_len=args.context)
+    return nb.tf32_hc_prenorm_gemm, dict(a=torch.randn(args.m, MHC_K, device=device).bfloat16(),
+                                         b=torch.randn(MHC_N, MHC_K, device=device),
+                                         d=torch.empty(args.m, MHC_N, device=device),
+                                         sqr_sum=torch.empty(args.m, device=device))
+
+
+def build_call(args: argparse.Namespace, device: torch.device) -> Callable[[], object]:
+    """The op's call with ``impl="triton"`` on the benchmark suite's inputs for ``args``."""
+    op, kwargs = op_arguments(args, device)
+    return lambda: op(**kwargs, impl="triton")
 
 
 def profile_once(call: Callable[[], object], warmup: int) -> None:

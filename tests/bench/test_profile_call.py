@@ -40,6 +40,31 @@ def test_bad_shapes_are_refused_before_the_gpu_is_asked_for(profile_call, capsys
     assert words in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["prefill", "--s-q", "2", "--s-kv", "256", "--h-q", "16", "--topk", "64"],
+    ["decode", "--b", "1", "--h-q", "16", "--topk", "64"],
+    ["decode", "--b", "1", "--h-q", "16", "--topk", "64", "--kv", "bf16"],
+    ["paged", "--b", "1", "--context", "128", "--heads", "16"],
+    ["mhc", "--m", "16"],
+])
+def test_the_profiled_call_is_the_op_on_the_suites_inputs(profile_call, argv):
+    """The arguments the script builds are a valid call of the op: its Triton kernels (the interpreter without a
+    GPU) give the reference's results on them."""
+    args = profile_call.parser().parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    op, kwargs = profile_call.op_arguments(args, device)
+    results = []
+    for impl in ("triton", "reference"):
+        out = op(**kwargs, impl=impl)
+        if out is None:  # the mHC GEMM writes d and sqr_sum
+            out = (kwargs["d"].clone(), kwargs["sqr_sum"].clone())
+        results.append(out if isinstance(out, tuple) else (out,))
+    for got, want in zip(*results, strict=True):
+        finite = torch.isfinite(want)
+        assert torch.equal(finite, torch.isfinite(got))
+        torch.testing.assert_close(got[finite].float(), want[finite].float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU refusal")
 def test_refuses_without_a_gpu(profile_call, capsys):
     assert profile_call.main(["decode"]) == 2
