@@ -316,58 +316,54 @@ def test_replayed_calls_equal_tritons_own_launches(case, monkeypatch):
         assert len(cache) == 1, "the calls were not replayed"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(("next_n", "heads"), [(1, 64), (2, 32)])
-def test_mma_v2_paged_logits_replay(next_n, heads, monkeypatch):
-    """Under sm_120's route the paged logits of one row of 64 heads and two rows of 32 take the Gluon mma.sync
-    kernel (``sm89_gluon_paged``), whose eager calls replay."""
+@pytest.fixture
+def sm120_route(monkeypatch):
+    """Routing forced to sm_120 for a GPU test of its Gluon mma.sync kernels (skipped on a GPU without e4m3 or a
+    Triton without Gluon), then back."""
     from nsa_backend.kernels._gluon import gluon_importable
-    from nsa_backend.kernels.indexer import sm89_gluon_paged
     from nsa_backend.routing.config import reset_config
 
     if torch.cuda.get_device_capability() < (8, 9) or not gluon_importable():
         pytest.skip("needs a GPU with e4m3 (sm_89+) and Gluon")
     monkeypatch.setenv("NSA_BACKEND_FORCE_ARCH", "sm120")
     reset_config()
-    try:
-        first = _paged_logits_args(next_n, heads)
-        kv_cache = first["kv_cache"]
-        kv_cache = kv_cache.unsqueeze(2) if kv_cache.dim() == 3 else kv_cache
-        assert sm89_gluon_paged.supported(first["q"], kv_cache, device_arch(first["q"].device))
-        cache = nb.indexer._paged_logits_replays
-        _replays_equal_own_launches("fp8_paged_mqa_logits", first, nb.fp8_paged_mqa_logits, cache, monkeypatch)
-        assert len(cache) == 1, "the calls were not replayed"
-    finally:
-        monkeypatch.delenv("NSA_BACKEND_FORCE_ARCH")
-        reset_config()
+    yield
+    monkeypatch.delenv("NSA_BACKEND_FORCE_ARCH")
+    reset_config()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("next_n", "heads"), [(1, 64), (2, 32)])
+def test_mma_v2_paged_logits_replay(next_n, heads, sm120_route, monkeypatch):
+    """Under sm_120's route the paged logits of one row of 64 heads and two rows of 32 take the Gluon mma.sync
+    kernel (``sm89_gluon_paged``), whose eager calls replay."""
+    from nsa_backend.kernels.indexer import sm89_gluon_paged
+
+    first = _paged_logits_args(next_n, heads)
+    kv_cache = first["kv_cache"]
+    kv_cache = kv_cache.unsqueeze(2) if kv_cache.dim() == 3 else kv_cache
+    assert sm89_gluon_paged.supported(first["q"], kv_cache, device_arch(first["q"].device))
+    cache = nb.indexer._paged_logits_replays
+    _replays_equal_own_launches("fp8_paged_mqa_logits", first, nb.fp8_paged_mqa_logits, cache, monkeypatch)
+    assert len(cache) == 1, "the calls were not replayed"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("kv_format", "h_q", "s_q", "topk"), [
     ("fp8_ds_mla", 64, 1, 256), ("fp8_ds_mla", 16, 2, 1024), ("bf16", 128, 1, 256), ("bf16", 32, 2, 1024),
 ])
-def test_mma_v2_decode_replay(kv_format, h_q, s_q, topk, monkeypatch):
+def test_mma_v2_decode_replay(kv_format, h_q, s_q, topk, sm120_route, monkeypatch):
     """Under sm_120's route the sparse MLA decode takes the Gluon mma.sync kernels (``sm89_gluon`` over the fp8
     cache, ``sm80_gluon`` over the bf16 one), whose eager calls replay: with one split (top-k 256) and with several
     and their merge (top-k 1024)."""
-    from nsa_backend.kernels._gluon import gluon_importable
     from nsa_backend.kernels.sparse_mla_decode import _mma_v2_bf16_route, _mma_v2_route
-    from nsa_backend.routing.config import reset_config
 
-    if torch.cuda.get_device_capability() < (8, 9) or not gluon_importable():
-        pytest.skip("needs a GPU with e4m3 (sm_89+) and Gluon")
-    monkeypatch.setenv("NSA_BACKEND_FORCE_ARCH", "sm120")
-    reset_config()
-    try:
-        first = _cuda(decode_args(B=3, s_q=s_q, h_q=h_q, topk=topk, kv_format=kv_format, num_blocks=24))
-        route = _mma_v2_route if kv_format == "fp8_ds_mla" else _mma_v2_bf16_route
-        assert route(first["q"], first["kv_cache"], kv_format, 512)
-        cache = nb.sparse_mla._decode_replays
-        _replays_equal_own_launches("sparse_mla_decode", first, nb.sparse_mla_decode, cache, monkeypatch)
-        assert len(cache) == 1, "the calls were not replayed"
-    finally:
-        monkeypatch.delenv("NSA_BACKEND_FORCE_ARCH")
-        reset_config()
+    first = _cuda(decode_args(B=3, s_q=s_q, h_q=h_q, topk=topk, kv_format=kv_format, num_blocks=24))
+    route = _mma_v2_route if kv_format == "fp8_ds_mla" else _mma_v2_bf16_route
+    assert route(first["q"], first["kv_cache"], kv_format, 512)
+    cache = nb.sparse_mla._decode_replays
+    _replays_equal_own_launches("sparse_mla_decode", first, nb.sparse_mla_decode, cache, monkeypatch)
+    assert len(cache) == 1, "the calls were not replayed"
 
 
 def _replays_equal_own_launches(name: str, first: dict[str, Any], op: Any, cache: Any, monkeypatch) -> None:
