@@ -289,6 +289,8 @@ _DG_SM120_ROWS: tuple[tuple[str, str, dict[str, Constraint], tuple[tuple[str, st
 )
 _FP4_OPS = ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits")
 
+# What a route to the Triton kernels says (the plan names the kernel where the launcher picks one per call).
+TRITON_NOTE = "portable Triton kernel"
 _TRITON_OPS = (
     "fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "topk_indices",
     "logical_to_global_indices", "flash_mla_sparse_fwd", "sparse_mla_decode", "pack_fp8_ds_mla",
@@ -301,7 +303,7 @@ _TRITON_OPS = (
 
 TABLE: tuple[Support, ...] = (
     # Triton: every GPU the kernels compile for.
-    *(_row(op, "triton", GPU_ARCHS, note="portable Triton kernel") for op in _TRITON_OPS),
+    *(_row(op, "triton", GPU_ARCHS, note=TRITON_NOTE) for op in _TRITON_OPS),
     # DeepGEMM indexer (versions are upstream DeepGEMM's API level, see deep_gemm_api_version).
     *_deep_gemm_ragged_rows(),
     _row("get_paged_mqa_logits_metadata", "deep_gemm", SM90, **_DG, page_size=OneOf((64,))),

@@ -218,7 +218,7 @@ def decide(op: str, requested: str, arch: str, features: Mapping[str, Any], *, m
                                f"{verdict.padded['num_heads']}; {faster}")
                 continue
         if verdict.ok:
-            note = verdict.reason or ("portable Triton kernel" if impl == "triton" else "native kernel")
+            note = verdict.reason or (caps.TRITON_NOTE if impl == "triton" else "native kernel")
             if reasons and impl == "triton":
                 note = f"{note}; " + "; ".join(reasons)
             return Decision(op, impl, "auto", note, verdict.padded)
@@ -417,5 +417,23 @@ def plan_routes(info: Any, arch: str, *, kv_cache_dtype: str = "fp8_e4m3", tp: i
         else:
             if flag is not None and requested != "auto":
                 decision = dataclasses.replace(decision, source=flag)
+            if decision.impl == "triton":
+                decision = _with_triton_kernel(decision, arch, features)
         out.append(decision)
     return out
+
+
+def _with_triton_kernel(decision: Decision, arch: str, features: Mapping[str, Any]) -> Decision:
+    """``decision`` whose reason names the Triton kernel the call takes, where the op's launcher picks one."""
+    # Imported on use: it loads the sparse MLA kernel modules, which the ops' dispatch loads at their first call
+    # only (importing nsa_backend stays quick).
+    from nsa_backend.routing.triton_kernels import planned_triton_kernel
+
+    kernel = planned_triton_kernel(decision.op, arch, features)
+    if kernel is None:
+        return decision
+    if decision.reason.startswith(caps.TRITON_NOTE):
+        reason = f"Triton: {kernel}{decision.reason[len(caps.TRITON_NOTE):]}"
+    else:
+        reason = f"Triton: {kernel}; {decision.reason}" if decision.reason else f"Triton: {kernel}"
+    return dataclasses.replace(decision, reason=reason)

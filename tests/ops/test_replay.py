@@ -360,7 +360,7 @@ def test_mma_v2_decode_replay(kv_format, h_q, s_q, topk, sm120_route, monkeypatc
 
     first = _cuda(decode_args(B=3, s_q=s_q, h_q=h_q, topk=topk, kv_format=kv_format, num_blocks=24))
     route = _mma_v2_route if kv_format == "fp8_ds_mla" else _mma_v2_bf16_route
-    assert route(first["q"], first["kv_cache"], kv_format, 512)
+    assert route(first["q"], first["kv_cache"], kv_format, 512, device_arch(first["q"].device))
     cache = nb.sparse_mla._decode_replays
     _replays_equal_own_launches("sparse_mla_decode", first, nb.sparse_mla_decode, cache, monkeypatch)
     assert len(cache) == 1, "the calls were not replayed"

@@ -19,6 +19,7 @@ import textwrap
 import pytest
 import torch
 
+from nsa_backend.kernels._arch import device_arch
 from tests.ops._aot import run_aot_script
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import gluon_available, on_sm90_gluon
@@ -281,7 +282,7 @@ def test_tl_route_off_cuda():
     from nsa_backend.kernels.sparse_mla_decode import _gluon_route
 
     q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
-    assert not _gluon_route(q, torch.zeros(4, 64, 656, dtype=torch.uint8), "fp8_ds_mla", 512)
+    assert not _gluon_route(q, torch.zeros(4, 64, 656, dtype=torch.uint8), "fp8_ds_mla", 512, device_arch(q.device))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import textwrap
 import pytest
 import torch
 
+from nsa_backend.kernels._arch import device_arch
 from tests.ops._aot import run_aot_script
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import gluon_available, on_sm90_gluon
@@ -127,9 +128,10 @@ def test_ws_route_off_cuda_and_by_heads(monkeypatch):
 
     cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
     monkeypatch.setattr(ws, "ENABLED", True)
-    assert not D._gluon_ws_route(torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16), cache, "fp8_ds_mla", 512)
+    q64 = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
+    assert not D._gluon_ws_route(q64, cache, "fp8_ds_mla", 512, device_arch(q64.device))
     q16 = torch.zeros(1, 1, D.GLUON_WS_DECODE_MIN_HEADS - 1, 576, dtype=torch.bfloat16)
-    assert not D._gluon_ws_route(q16, cache, "fp8_ds_mla", 512)
+    assert not D._gluon_ws_route(q16, cache, "fp8_ds_mla", 512, 90)
     assert not set(D.GLUON_DECODE_HEADS) & set(range(D.GLUON_WS_DECODE_MIN_HEADS, 129))
 
 

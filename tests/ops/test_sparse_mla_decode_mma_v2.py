@@ -20,6 +20,7 @@ import random
 import pytest
 import torch
 
+from nsa_backend.kernels._arch import device_arch
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import gluon_available
 from tests.ops._launch_recorder import LaunchRecorder
@@ -79,7 +80,7 @@ def test_gate_off_without_cuda():
     from nsa_backend.kernels.sparse_mla_decode import _mma_v2_route
 
     q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
-    assert not _mma_v2_route(q, torch.zeros(4, 64, 656, dtype=torch.uint8), "fp8_ds_mla", 512)
+    assert not _mma_v2_route(q, torch.zeros(4, 64, 656, dtype=torch.uint8), "fp8_ds_mla", 512, device_arch(q.device))
 
 
 @pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon")

@@ -243,3 +243,34 @@ def test_gluon_usable_follows_the_switch(monkeypatch):
     monkeypatch.setenv("NSA_BACKEND_GLUON", "0")
     assert not caps.gluon_usable("sm90")
     assert not caps.gluon_usable("rocm")
+
+
+def test_plan_names_the_sparse_mla_kernel_the_triton_launcher_takes(monkeypatch, all_kernels_present):
+    """With no native package the plan's Triton routes for the sparse MLA ops name the launcher's own choice for the
+    planned shapes: the Gluon kernel written for the arch where this Triton has Gluon, the portable tile elsewhere."""
+    from nsa_backend.kernels._gluon import gluon_importable
+    from nsa_backend.kernels.sparse_mla_decode import DECODE_KERNELS
+    from nsa_backend.kernels.sparse_mla_prefill import PREFILL_KERNELS
+    from nsa_backend.routing.triton_kernels import V4_DECODE_KERNEL
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the question launches nothing
+    v32 = routing.model_info(load_model_config("deepseek-v3.2"))
+
+    def reasons(info, arch, kv):
+        return {d.op: d.reason for d in plan_routes(info, arch, kv_cache_dtype=kv, tp=8, natives={})}
+
+    gluon = gluon_importable()
+    sm120 = reasons(v32, "sm120", "fp8_e4m3")
+    assert sm120["sparse_mla_decode"].startswith(f"Triton: {DECODE_KERNELS['sm89_gluon' if gluon else 'portable']}; ")
+    assert sm120["flash_mla_sparse_fwd"].startswith(f"Triton: {PREFILL_KERNELS['sm80_gluon' if gluon else 'portable']}")
+    assert "flash_mla has no flash_mla_sparse_fwd kernel for sm120" in sm120["flash_mla_sparse_fwd"]
+    assert caps.TRITON_NOTE not in sm120["flash_mla_sparse_fwd"] + sm120["sparse_mla_decode"]  # named instead
+    sm86_bf16 = reasons(v32, "sm86", "bfloat16")
+    assert sm86_bf16["sparse_mla_decode"].startswith(f"Triton: {DECODE_KERNELS['sm80_gluon' if gluon else 'portable']}")
+    assert reasons(v32, "sm86", "fp8_e4m3")["sparse_mla_decode"].startswith(f"Triton: {DECODE_KERNELS['portable']}")
+    assert reasons(v32, "sm100", "fp8_e4m3")["sparse_mla_decode"].startswith(f"Triton: {DECODE_KERNELS['portable']}")
+    assert reasons(V4, "sm86", "fp8_e4m3")["sparse_mla_decode"].startswith(f"Triton: {V4_DECODE_KERNEL}")
+    # ops whose launcher has one kernel keep the general note
+    assert sm120["topk_indices"] == caps.TRITON_NOTE
+    monkeypatch.setenv("NSA_BACKEND_GLUON", "0")
+    assert reasons(v32, "sm120", "fp8_e4m3")["sparse_mla_decode"].startswith(f"Triton: {DECODE_KERNELS['portable']}")

@@ -66,7 +66,8 @@ from nsa_backend.reference import DS_MLA_TOKEN_BYTES
 # Launches reusing the compiled kernel per call signature (host time of eager decode steps).
 _launch_sparse_mla_fwd = CachedLauncher(_sparse_mla_fwd_kernel)
 
-__all__ = ["decode_plan", "merge_pdl", "merge_splits", "sparse_mla_decode_triton", "sparse_mla_v4_decode_triton"]
+__all__ = ["DECODE_KERNELS", "decode_kernel", "decode_plan", "merge_pdl", "merge_splits", "sparse_mla_decode_triton",
+           "sparse_mla_v4_decode_triton"]
 
 # Multiprocessor count used to plan splits off CUDA (the interpreter).
 FALLBACK_NUM_SMS = 8
@@ -103,42 +104,63 @@ def decode_plan(B: int, s_q: int, h_q: int, topk: int, kv_format: str, device: t
     return cfg, splits, per
 
 
-def _gluon_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int) -> bool:
+# The kernels ``sparse_mla_decode_triton`` launches (:func:`decode_kernel`), in words.
+DECODE_KERNELS: dict[str, str] = {
+    "sm90_gluon": "Gluon few-head decode, fp8_ds_mla cache (sparse_mla_decode/sm90_gluon.py)",
+    "sm90_gluon_ws": "warp-specialised Gluon decode, fp8_ds_mla cache (sparse_mla_decode/sm90_gluon_ws.py)",
+    "sm89_gluon": "Gluon mma.sync decode, fp8_ds_mla cache (sparse_mla_decode/sm89_gluon.py)",
+    "sm80_gluon": "Gluon mma.sync decode, bf16 cache (sparse_mla_decode/sm80_gluon.py)",
+    "portable": "portable tl decode tile (sparse_mla_prefill/portable.py)",
+}
+
+
+def _gluon_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int, arch: int | None) -> bool:
     """Whether the Gluon kernel takes this call (sm_90, fp8 cache, a head count it is faster for)."""
     if kv_format != "fp8_ds_mla" or q.shape[2] not in GLUON_DECODE_HEADS:
         return False
-    arch = device_arch(q.device)
     return gluon_enabled(arch, GLUON_DECODE_ARCHS) and gluon_decode_supported(q, kv_cache, kv_format, d_v, arch)
 
 
-def _gluon_ws_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int) -> bool:
+def _gluon_ws_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int, arch: int | None) -> bool:
     """Whether the warp-specialised 64-head Gluon kernel takes this call (sm_90, fp8 cache, from
     ``GLUON_WS_DECODE_MIN_HEADS`` heads on, the kernel ``ENABLED``)."""
     if kv_format != "fp8_ds_mla" or q.shape[2] < GLUON_WS_DECODE_MIN_HEADS:
         return False
     if not ws.ENABLED:
         return False
-    arch = device_arch(q.device)
     return gluon_enabled(arch, ws.GLUON_WS_DECODE_ARCHS) and ws.supported(q, kv_cache, kv_format, d_v, arch)
 
 
-def _mma_v2_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int) -> bool:
+def _mma_v2_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int, arch: int | None) -> bool:
     """Whether the mma.sync Gluon kernel takes this call (sm_89 / 120 / 121, fp8 cache, a head count of
     ``MMA_V2_DECODE_HEADS``)."""
     if kv_format != "fp8_ds_mla" or q.shape[2] not in MMA_V2_DECODE_HEADS:
         return False
-    arch = device_arch(q.device)
     return gluon_enabled(arch, mma_v2.MMA_V2_DECODE_ARCHS) and mma_v2.supported(q, kv_cache, kv_format, d_v, arch)
 
 
-def _mma_v2_bf16_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int) -> bool:
+def _mma_v2_bf16_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int, arch: int | None) -> bool:
     """Whether the mma.sync Gluon kernel takes this bf16-cache call (sm_80 / 86 / 89 / 120 / 121, a head count of
     ``MMA_V2_BF16_DECODE_HEADS``)."""
     if kv_format != "bf16" or q.shape[2] not in MMA_V2_BF16_DECODE_HEADS:
         return False
-    arch = device_arch(q.device)
     return (gluon_enabled(arch, mma_v2_bf16.MMA_V2_BF16_DECODE_ARCHS)
             and mma_v2_bf16.supported(q, kv_cache, kv_format, d_v, arch))
+
+
+def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int, arch: int | None) -> str:
+    """The kernel :func:`sparse_mla_decode_triton` launches for this call on ``sm_<arch>`` (``None``: off CUDA)
+    without a launch override: a key of ``DECODE_KERNELS``. Only the tensors' shapes, strides, dtypes and
+    alignment count, so a planner can ask with stand-ins of the call's tensors."""
+    if _gluon_route(q, kv_cache, kv_format, d_v, arch):
+        return "sm90_gluon"
+    if _gluon_ws_route(q, kv_cache, kv_format, d_v, arch):
+        return "sm90_gluon_ws"
+    if _mma_v2_route(q, kv_cache, kv_format, d_v, arch):
+        return "sm89_gluon"
+    if _mma_v2_bf16_route(q, kv_cache, kv_format, d_v, arch):
+        return "sm80_gluon"
+    return "portable"
 
 
 def sparse_mla_decode_triton(
@@ -193,16 +215,18 @@ def sparse_mla_decode_triton(
     """
     B, s_q, h_q, d_qk = q.shape
     planned = config is None and num_splits is None and native_fp8 is None
-    if planned and _gluon_route(q, kv_cache, kv_format, d_v):
+    arch = device_arch(q.device)
+    kernel = decode_kernel(q, kv_cache, kv_format, d_v, arch) if planned else "portable"
+    if kernel == "sm90_gluon":
         return sparse_mla_decode_gluon(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink, topk_length,
                                        kv_scale_format=kv_scale_format)
-    if planned and _gluon_ws_route(q, kv_cache, kv_format, d_v):
+    if kernel == "sm90_gluon_ws":
         return sparse_mla_decode_gluon_ws(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
                                           topk_length, kv_scale_format=kv_scale_format)
-    if planned and _mma_v2_route(q, kv_cache, kv_format, d_v):
+    if kernel == "sm89_gluon":
         return mma_v2.sparse_mla_decode_mma_v2(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
                                                topk_length, kv_scale_format=kv_scale_format)
-    if planned and _mma_v2_bf16_route(q, kv_cache, kv_format, d_v):
+    if kernel == "sm80_gluon":
         return mma_v2_bf16.sparse_mla_decode_bf16_mma_v2(q, kv_cache, indices, sm_scale, d_v, kv_format, attn_sink,
                                                          topk_length)
     topk = indices.shape[-1]
@@ -216,7 +240,6 @@ def sparse_mla_decode_triton(
     num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
     width = DS_MLA_TOKEN_BYTES if fp8 else d_qk
     cfg, splits, per = decode_plan(B, s_q, h_q, topk, kv_format, dev, config, num_splits)
-    arch = device_arch(dev)
     idx = indices.view(B * s_q, topk)
     native = fp8_native(arch) if native_fp8 is None else native_fp8
     common = dict(

@@ -24,12 +24,34 @@ from nsa_backend.kernels.sparse_mla_prefill import sm90_gluon_fewhead as gluon_f
 from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, fp8_native, prefill_outputs
 from nsa_backend.kernels.sparse_mla_prefill.portable import _sparse_mla_fwd_kernel
 
-__all__ = ["MMA_V2_PREFILL_HEADS", "flash_mla_sparse_fwd_triton"]
+__all__ = ["MMA_V2_PREFILL_HEADS", "PREFILL_KERNELS", "flash_mla_sparse_fwd_triton", "prefill_kernel"]
 
 # Head counts whose bf16 prefill takes the mma.sync Gluon kernel of ``sm80_gluon`` on its archs (32-head programs).
 # H100 under the sm_120 proxy, s_q 4096, s_kv 32768, topk 2048, CUDA graphs, against the tl tile in the same run:
 # 1.89-1.90x at h_q 32-128, 1.41x at 16 (bench/results/h100-proxy-sm120/prefill-mma-v2).
 MMA_V2_PREFILL_HEADS: frozenset[int] = frozenset(range(1, 129))
+# The kernels ``flash_mla_sparse_fwd_triton`` launches (:func:`prefill_kernel`), in words.
+PREFILL_KERNELS: dict[str, str] = {
+    "sm90_gluon_fewhead": "Gluon few-head prefill (sparse_mla_prefill/sm90_gluon_fewhead.py)",
+    "sm90_gluon": "Gluon 64-head prefill (sparse_mla_prefill/sm90_gluon.py)",
+    "sm80_gluon": "Gluon mma.sync prefill (sparse_mla_prefill/sm80_gluon.py)",
+    "portable": "portable tl prefill tile (sparse_mla_prefill/portable.py)",
+}
+
+
+def prefill_kernel(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> str:
+    """The kernel :func:`flash_mla_sparse_fwd_triton` launches for this call on ``sm_<arch>`` (``None``: off CUDA)
+    without a ``config``: a key of ``PREFILL_KERNELS``. Only the tensors' shapes, strides, dtypes and alignment
+    count, so a planner can ask with stand-ins of the call's tensors."""
+    if arch is None:
+        return "portable"
+    if gluon_fewhead.supported(q, kv, d_v, arch):
+        return "sm90_gluon_fewhead"
+    if gluon_prefill.supported(q, kv, d_v, arch):
+        return "sm90_gluon"
+    if q.shape[1] in MMA_V2_PREFILL_HEADS and mma_v2.supported(q, kv, d_v, arch):
+        return "sm80_gluon"
+    return "portable"
 
 
 def flash_mla_sparse_fwd_triton(
@@ -78,15 +100,13 @@ def flash_mla_sparse_fwd_triton(
         ``lse [s_q, h_q] float32`` (natural log; ``+inf`` and ``out = 0`` for rows without a key).
     """
     arch = device_arch(q.device)
-    if config is None and arch is not None:
-        if gluon_fewhead.supported(q, kv, d_v, arch):
-            return gluon_fewhead.flash_mla_sparse_fwd_gluon_fewhead(q, kv, indices, sm_scale, d_v, attn_sink,
-                                                                    topk_length)
-        if gluon_prefill.supported(q, kv, d_v, arch):
-            return gluon_prefill.flash_mla_sparse_fwd_gluon(q, kv, indices, sm_scale, d_v, attn_sink,
-                                                            topk_length)
-        if q.shape[1] in MMA_V2_PREFILL_HEADS and mma_v2.supported(q, kv, d_v, arch):
-            return mma_v2.flash_mla_sparse_fwd_mma_v2(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    kernel = prefill_kernel(q, kv, d_v, arch) if config is None else "portable"
+    if kernel == "sm90_gluon_fewhead":
+        return gluon_fewhead.flash_mla_sparse_fwd_gluon_fewhead(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    if kernel == "sm90_gluon":
+        return gluon_prefill.flash_mla_sparse_fwd_gluon(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    if kernel == "sm80_gluon":
+        return mma_v2.flash_mla_sparse_fwd_mma_v2(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
     topk = indices.shape[-1]

@@ -49,6 +49,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from nsa_backend.kernels._arch import device_capability
 from nsa_backend.kernels._gluon import gluon_enabled, gluon_importable
 from nsa_backend.kernels.sparse_mla_prefill.common import gluon_rows_supported, prefill_outputs, prefill_rows
 
@@ -287,11 +288,12 @@ def supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> 
 def rows_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, arch: int | None) -> bool:
     """What the Gluon prefill kernels (this one and the few-head one) need of a call, whatever its head
     count: bf16 ``q`` and ``kv`` with ``d_qk`` 576 and ``d_v`` 512, rows 16-byte aligned for ``cp.async``,
-    a real sm_90 device and Gluon allowed (``nsa_backend.kernels._gluon``)."""
+    a real sm_90 device and Gluon allowed (``nsa_backend.kernels._gluon``). Stand-ins off CUDA (a planner's
+    question for ``arch``) count as that device."""
     return (
         gluon_rows_supported(q, kv, d_v)
         and gluon_enabled(arch, GLUON_ARCHS)
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and device_capability(q.device) in (None, 90)
     )
 
 
