@@ -368,7 +368,7 @@ def _mma_v2_decode_jobs(arch: int) -> list[AotJob]:
                 sig[n] = "i32"
             cx = dict(PAGE=64, BLOCK_H=mma_v2_decode.BLOCK_H, BLOCK_N=mma_v2_decode.BLOCK_N,
                       STAGES=mma_v2_decode.STAGES, SPLIT=split, HAS_SINK=not split, HAS_TOPK_LEN=True,
-                      POW2_SCALES=pow2, NUM_WARPS=mma_v2_decode.NUM_WARPS)
+                      POW2_SCALES=pow2, FP8_NATIVE=arch >= FP8_NATIVE_MIN_ARCH, NUM_WARPS=mma_v2_decode.NUM_WARPS)
             label = (f"fp8 BLOCK_H={mma_v2_decode.BLOCK_H} BLOCK_N={mma_v2_decode.BLOCK_N} "
                      f"stages={mma_v2_decode.STAGES} split={split}" + (" pow2" if pow2 else "") + " mma_v2")
             jobs.append(AotJob("sparse_mla", "decode_mma_v2", label, arch, mma_v2_decode.kernel(), _constexpr(sig, cx),

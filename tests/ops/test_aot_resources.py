@@ -43,9 +43,6 @@ _FP8_DECODE = ("the 32-head fp8 decode tile takes 64 keys per pass: 460-556 B of
 _MHC = "the 128-wide bf16x2 / bf16x3 GEMM tiles at 4 warps spill a few bytes"
 _V4 = ("the 32-head DeepSeek-V4 decode tile over 8 warps spills 12 B on sm_120 (none on sm_86) and ran 1.65x faster "
        "under the sm_120 proxy than the 16-head tile, which spills nothing")
-_MMA_V2_DECODE = ("the Gluon fp8 decode holds q's latent part (128 registers) and a [32, 512] accumulator in its eight "
-                  "warps at 255 registers: ptxas spills 8 B on sm_120 / 121 (one 4-byte reload per 32-key tile in the "
-                  "loop; none on sm_89)")
 _MMA_V2_BF16_DECODE = ("the Gluon bf16 decode holds q's latent part (128 registers) and a [32, 512] accumulator in its "
                        "eight warps at 255 registers; the page arithmetic of its copies makes ptxas spill 16 B on "
                        "sm_86 / 89 (four 4-byte reloads per 32-key tile; none on sm_80 / 120 / 121)")
@@ -55,7 +52,6 @@ KNOWN_SPILLS: dict[tuple[str, str, int], str] = {
     **{("sparse_mla", "decode", a): f"{_SPARSE_MLA}; {_FP8_DECODE}" for a in (120, 121)},
     **{("mhc", "gemm", a): _MHC for a in (120, 121, 86)},
     **{("sparse_mla_v4", "decode", a): _V4 for a in (120, 121)},
-    **{("sparse_mla", "decode_mma_v2", a): _MMA_V2_DECODE for a in (120, 121)},
     **{("sparse_mla", "decode_bf16_mma_v2", a): _MMA_V2_BF16_DECODE for a in (86, 89)},
 }
 

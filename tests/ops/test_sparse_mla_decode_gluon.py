@@ -23,6 +23,7 @@ from nsa_backend.kernels._arch import device_arch
 from tests.ops._aot import run_aot_script
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import gluon_available, on_sm90_gluon
+from tests.ops._ptx_steps import byte_pairs, prmt_shift_mask
 from tests.ops.test_sparse_mla import (
     _check_out,
     _check_stat,
@@ -185,21 +186,6 @@ def test_gluon_decode_pair_pow2_reads_run_a_group_ahead(pair_ptx_counts):
     assert counts["True"]["byte_reads_before_first_store"] >= 2 * per_group, counts
 
 
-def _pow2_bits(pairs: torch.Tensor, selector: int) -> torch.Tensor:
-    """The integer steps of the power-of-two dequantisation on 32-bit words of 4 bytes ``pairs``
-    (``[n, 4]`` uint8): ``prmt`` with ``selector`` (4-bit nibbles: a byte index 0-3, plus 8 to replicate
-    that byte's sign), ``<< 4``, ``& 0x87f087f0``; returns the two 16-bit halves ``[n, 2]`` (int64)."""
-    word = torch.zeros(pairs.shape[0], dtype=torch.int64)
-    for k in range(4):
-        nib = (selector >> (4 * k)) & 0xF
-        byte = pairs[:, nib & 3].to(torch.int64)
-        if nib & 8:
-            byte = torch.where(byte >= 128, 0xFF, 0)
-        word |= byte << (8 * k)
-    word = ((word << 4) & 0xFFFFFFFF) & 0x87F087F0
-    return torch.stack([word & 0xFFFF, word >> 16], dim=1)
-
-
 @pytest.mark.parametrize("product", ["mul", "fma"])
 def test_decode_pow2_bits_are_e4m3_times_2_pow_minus_120(product):
     """The integer steps of ``POW2_SCALES`` (the selectors and mask of ``pow2_dequant_ptx``, which the sm_90 Gluon
@@ -214,12 +200,10 @@ def test_decode_pow2_bits_are_e4m3_times_2_pow_minus_120(product):
     assert f"{product}.rn.bf16x2 $0, a, $3" in src
     sel = [int(x, 16) for x in re.findall(r"prmt\.b32 \w, \$2, 0, (0x[0-9A-Fa-f]+);", src)]
     assert len(sel) == 2 and "0x87F087F0" in src, src
-    b = torch.arange(256)
-    grid = torch.stack(torch.meshgrid(b, b, indexing="ij"), dim=-1).reshape(-1, 2)
-    words = torch.cat([grid, grid.flip(1)], dim=1).to(torch.uint8)  # [b0, b1, b1, b0]
+    words = byte_pairs()
     e4m3 = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).float()
     for selector, cols in zip(sel, ((0, 1), (2, 3))):
-        halves = _pow2_bits(words, selector)
+        halves = prmt_shift_mask(words, selector, 4, 0x87F087F0)
         got = halves.to(torch.int16).view(torch.bfloat16).float() * 2.0**120
         want = e4m3[words[:, list(cols)].long()]
         finite = ~torch.isnan(want)

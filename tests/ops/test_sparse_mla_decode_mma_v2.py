@@ -1,11 +1,14 @@
-"""Gluon mma.sync sparse MLA decode (sm_89 / 120 / 121, "fp8_ds_mla" cache) against ``nsa_backend.reference``.
+"""Gluon mma.sync sparse MLA decode (sm_80 / 86 / 89 / 120 / 121, "fp8_ds_mla" cache) against ``nsa_backend.reference``.
 
 CPU: the support rules, the split plan (a function of the shapes only), the gate (never taken off CUDA) and the
 launch (recorded, not run: every query row, head and split addressed where its output lies, the partials merged).
-The ahead-of-time compile for sm_89 / 120 / 121 (within 99 KiB, registers and spills) is part of
+The integer e4m3 decoding of sm_80 / 86 (``e4m3_f16_dequant_ptx``: its selectors, shift and mask on every byte, the
+scale's product and the bf16 rounding, against the reference's dequantisation). The ahead-of-time compile for
+sm_86 / 120 / 121 (within 99 KiB, registers and spills) is part of
 ``tests/ops/test_aot_resources.py`` (kind ``decode_mma_v2`` of the sparse_mla family).
 GPU (a Triton with Gluon and a GPU with e4m3, sm_89 or newer; on an sm_90 GPU the kernel runs as the sm120
-proxy runs it): a 300-case seeded fuzz of the kernel against the fp32 reference (1..128 heads and counts that
+proxy runs it): a 300-case seeded fuzz of the kernel against the fp32 reference, with the fp8 conversions and with
+the integer decoding of sm_80 / 86 (forced arch), which gives bitwise the same outputs (1..128 heads and counts that
 are not multiples of the head block, s_q 1..4, invalid slots, both scale formats and the power-of-two
 conversion, attn_sink, topk_length, spaced pages, pages of 32 and 64 slots, one and several splits, two and
 three ring buffers), rows without a valid key, CUDA-graph capture, and the route of the decode launcher under
@@ -24,6 +27,7 @@ from nsa_backend.kernels._arch import device_arch
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import gluon_available
 from tests.ops._launch_recorder import LaunchRecorder
+from tests.ops._ptx_steps import byte_pairs, prmt_shift_mask
 from tests.ops.test_sparse_mla import _check_out, _check_stat, _fp32_reference_decode, decode_case, run_decode_case
 from tests.ops.test_sparse_mla_prefill_mma_v2 import check_decode_launch
 
@@ -51,9 +55,9 @@ def test_support_rules():
 
     q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
     cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
-    for arch in (89, 120, 121):
+    for arch in (80, 86, 89, 120, 121):
         assert G.supported(q, cache, "fp8_ds_mla", 512, arch)
-    for arch in (80, 86, 90, 100, None):
+    for arch in (75, 90, 100, None):
         assert not G.supported(q, cache, "fp8_ds_mla", 512, arch)
     assert not G.supported(q, torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16), "bf16", 512, 120)
     assert not G.supported(torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16), cache, "fp8_ds_mla", 448, 120)
@@ -81,6 +85,64 @@ def test_gate_off_without_cuda():
 
     q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
     assert not _mma_v2_route(q, torch.zeros(4, 64, 656, dtype=torch.uint8), "fp8_ds_mla", 512, device_arch(q.device))
+
+
+def test_integer_dequant_is_the_reference_dequant():
+    """The steps of ``e4m3_f16_dequant_ptx`` (sm_80 / 86), read from its source, give for every pair of bytes the fp16
+    bits of ``e4m3(b) * 2^-8`` exactly (subnormals and signed zeros included); with the fp32 product by
+    ``scale * 2^8`` and the bf16 rounding that is the reference's ``bf16(e4m3 * scale)`` for any scale."""
+    import re
+
+    from nsa_backend.kernels.sparse_mla_prefill.common import e4m3_f16_dequant_ptx
+    from nsa_backend.reference import unpack_fp8_ds_mla
+
+    src = e4m3_f16_dequant_ptx()
+    sel = [int(x, 16) for x in re.findall(r"prmt\.b32 \w, \$2, 0, (0x[0-9A-Fa-f]+);", src)]
+    (shift,) = {int(x) for x in re.findall(r"shl\.b32 \w, \w, (\d+);", src)}
+    (mask,) = {int(x, 16) for x in re.findall(r"and\.b32 \w, \w, (0x[0-9A-Fa-f]+);", src)}
+    assert len(sel) == 2 and "cvt.rn.bf16x2.f32 $0, f1, f0;" in src and "mul.rn.f32 f3, f3, $6;" in src, src
+    words = byte_pairs()
+    e4m3 = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = ~torch.isnan(e4m3)
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.cat([torch.rand(6, generator=gen) * 3, torch.tensor([1.0, 2.0**-12, 2.0**7, 0.0917])])
+    for selector, cols in zip(sel, ((0, 1), (2, 3))):
+        halves = prmt_shift_mask(words, selector, shift, mask)
+        got = halves.to(torch.int16).view(torch.float16).float()
+        want = e4m3[words[:, list(cols)].long()]
+        ok = ~torch.isnan(want)
+        assert torch.equal(got[ok] * 256.0, want[ok])
+        assert torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))
+    # every byte with each scale, through the product and the rounding, against the reference's dequantisation
+    codes = torch.arange(256).to(torch.uint8)
+    values = prmt_shift_mask(torch.stack([codes, codes, codes, codes], 1), sel[0], shift, mask)[:, 0]
+    values = values.to(torch.int16).view(torch.float16).float()
+    for scale in scales.tolist():
+        got = (values * torch.tensor(scale * 256.0)).to(torch.bfloat16)
+        row = torch.zeros(1, 656, dtype=torch.uint8)
+        for start in range(0, 256, 128):
+            row[0, :128] = codes[start:start + 128]
+            row[0, 512:528] = torch.tensor([scale] * 4, dtype=torch.float32).view(torch.uint8)
+            want = unpack_fp8_ds_mla(row)[0, :128]
+            assert torch.equal(got[start:start + 128][finite[start:start + 128]],
+                               want[finite[start:start + 128]]), scale
+
+
+@pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon")
+def test_launch_decodes_e4m3_by_the_routed_arch(monkeypatch):
+    """``FP8_NATIVE`` follows the arch the launch is routed for: the fp8 conversions from sm_89 on, the integer
+    decoding on sm_80 / 86."""
+    from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as G
+
+    rec = LaunchRecorder(G.kernel())
+    monkeypatch.setattr(G, "cached_launcher", lambda kernel: rec)
+    q = torch.zeros(1, 1, 32, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 64, 656, dtype=torch.uint8)
+    idx = torch.zeros(1, 1, 64, dtype=torch.int32)
+    for arch, native in ((80, False), (86, False), (89, True), (120, True), (121, True)):
+        monkeypatch.setattr(G, "device_arch", lambda device, arch=arch: arch)
+        G.sparse_mla_decode_mma_v2(q, cache, idx, 0.1, num_splits=1)
+        assert rec.launches[-1][2]["FP8_NATIVE"] is native, arch
 
 
 @pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon")
@@ -148,11 +210,47 @@ def _run(a: dict, case: str, **kw) -> float:
     return run_decode_case(a, case, decode=sparse_mla_decode_mma_v2, **kw)
 
 
+@pytest.fixture
+def routed_arch(monkeypatch, request):
+    """Routing forced to ``request.param`` (``None``: the GPU's own arch) for the test's duration."""
+    from nsa_backend.routing.config import reset_config
+
+    if request.param is not None:
+        monkeypatch.setenv("NSA_BACKEND_FORCE_ARCH", request.param)
+    reset_config()
+    yield request.param
+    monkeypatch.delenv("NSA_BACKEND_FORCE_ARCH", raising=False)
+    reset_config()
+
+
 @pytest.mark.gpu
 @needs_gpu
-def test_decode_mma_v2_gpu_fuzz():
+@pytest.mark.parametrize("routed_arch", [None, "sm86"], indirect=True)
+def test_decode_mma_v2_gpu_fuzz(routed_arch):
+    """The fuzz with the GPU's fp8 conversions, and with sm_86's integer decoding."""
     errs = [_run(decode_case(**c), str(c) + str(kw), **kw) for c, kw in _fuzz_cases(FUZZ_CASES, seed=23)]
-    print(f"mma_v2 decode fuzz: {len(errs)} cases, max abs err {max(errs):.3e}")
+    print(f"mma_v2 decode fuzz ({routed_arch or 'native'}): {len(errs)} cases, max abs err {max(errs):.3e}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_decode_mma_v2_integer_decoding_is_bitwise_the_fp8_units(monkeypatch):
+    """sm_80 / 86's integer decoding gives the keys the fp8 conversions give, so the outputs are bitwise equal (every
+    byte value but the NaN codes occurs in the random caches, with arbitrary and power-of-two scales)."""
+    from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as G
+
+    for scale_format, kw in (("arbitrary", {}), ("arbitrary", {"num_splits": 3}), ("pow2", {})):
+        c = dict(B=4, s_q=2, h_q=64, topk=512, kv_format="fp8_ds_mla", scale_format=scale_format, page=64,
+                 num_blocks=32, frac_invalid=0.1, sink=True, topk_len=True, pad_pages=False, seed=11)
+        a = decode_case(**c)
+        raw = a["kv_cache"].view(-1, 656)[:, :512]
+        assert torch.unique(raw).numel() == 254, torch.unique(raw).numel()  # all but 0x7f and 0xff
+        results = []
+        for arch in (120, 86):
+            monkeypatch.setattr(G, "device_arch", lambda device, arch=arch: arch)
+            results.append(G.sparse_mla_decode_mma_v2(**a, **kw))
+        (o_n, l_n), (o_i, l_i) = results
+        assert torch.equal(o_n, o_i) and torch.equal(l_n, l_i), (scale_format, kw)
 
 
 @pytest.mark.gpu
@@ -190,10 +288,10 @@ def test_decode_mma_v2_cuda_graph(h_q):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("arch", ["sm89", "sm120", "sm121", "sm86"])
+@pytest.mark.parametrize("arch", ["sm89", "sm120", "sm121", "sm86", "sm80", "sm100"])
 def test_decode_op_routes_to_mma_v2(monkeypatch, arch):
     """With routing forced to an arch of ``MMA_V2_DECODE_ARCHS`` the decode launcher returns this kernel's result
-    for the head counts it serves, and the ``tl`` kernel's otherwise (sm_86, ``NSA_BACKEND_GLUON=0``); both match
+    for the head counts it serves, and the ``tl`` kernel's otherwise (sm_100, ``NSA_BACKEND_GLUON=0``); both match
     the reference."""
     from nsa_backend.kernels import sparse_mla_decode as D
     from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as G
@@ -212,7 +310,7 @@ def test_decode_op_routes_to_mma_v2(monkeypatch, arch):
             a = decode_case(**c)
             before = len(calls)
             out, lse = D.sparse_mla_decode_triton(**a)
-            routed = arch != "sm86" and gluon == "1" and h_q in D.MMA_V2_DECODE_HEADS
+            routed = arch != "sm100" and gluon == "1" and h_q in D.MMA_V2_DECODE_HEADS
             assert len(calls) - before == routed, (arch, h_q, gluon)
             r_out, r_lse, r_abs = _fp32_reference_decode(a)
             _check_out("out", out.view(r_out.shape), r_out, f"{arch} h_q {h_q}", r_abs)

@@ -35,7 +35,7 @@ def expected_decode(arch: int, h_q: int, kv_format: str) -> str:
     if kv_format == "fp8_ds_mla":
         if arch == 90:
             return "sm90_gluon" if h_q <= 16 else "sm90_gluon_ws"
-        return "sm89_gluon" if arch in (89, 120, 121) else "portable"
+        return "sm89_gluon" if arch in (80, 86, 89, 120, 121) else "portable"
     return "sm80_gluon" if arch in (80, 86, 89, 120, 121) else "portable"
 
 

@@ -267,7 +267,8 @@ def test_plan_names_the_sparse_mla_kernel_the_triton_launcher_takes(monkeypatch,
     assert caps.TRITON_NOTE not in sm120["flash_mla_sparse_fwd"] + sm120["sparse_mla_decode"]  # named instead
     sm86_bf16 = reasons(v32, "sm86", "bfloat16")
     assert sm86_bf16["sparse_mla_decode"].startswith(f"Triton: {DECODE_KERNELS['sm80_gluon' if gluon else 'portable']}")
-    assert reasons(v32, "sm86", "fp8_e4m3")["sparse_mla_decode"].startswith(f"Triton: {DECODE_KERNELS['portable']}")
+    sm86_fp8 = reasons(v32, "sm86", "fp8_e4m3")
+    assert sm86_fp8["sparse_mla_decode"].startswith(f"Triton: {DECODE_KERNELS['sm89_gluon' if gluon else 'portable']}")
     assert reasons(v32, "sm100", "fp8_e4m3")["sparse_mla_decode"].startswith(f"Triton: {DECODE_KERNELS['portable']}")
     assert reasons(V4, "sm86", "fp8_e4m3")["sparse_mla_decode"].startswith(f"Triton: {V4_DECODE_KERNEL}")
     # ops whose launcher has one kernel keep the general note

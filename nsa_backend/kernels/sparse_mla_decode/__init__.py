@@ -23,9 +23,10 @@ rows, warpgroup MMAs; same merge kernel) unless a launch override is given or ``
 (warp-specialised, 64 heads per program) from ``GLUON_WS_DECODE_MIN_HEADS`` heads on where that module is
 ``ENABLED``.
 
-On sm_89 / 120 / 121 the "fp8_ds_mla" cache takes the mma.sync Gluon kernel of :mod:`.sm89_gluon` (32-head
-programs, ``q`` in registers, the keys converted once per tile) for the head counts of ``MMA_V2_DECODE_HEADS``
-unless a launch override is given or ``NSA_BACKEND_GLUON=0``; under the sm120 proxy an sm_90 GPU runs it. The bf16
+On sm_80 / 86 / 89 / 120 / 121 the "fp8_ds_mla" cache takes the mma.sync Gluon kernel of :mod:`.sm89_gluon` (32-head
+programs, ``q`` in registers, the keys converted once per tile, with integer operations on sm_80 / 86) for the head
+counts of ``MMA_V2_DECODE_HEADS`` unless a launch override is given or ``NSA_BACKEND_GLUON=0``; under the sm120 proxy
+an sm_90 GPU runs it. The bf16
 cache takes the mma.sync Gluon kernel of :mod:`.sm80_gluon` on sm_80 / 86 / 89 / 120 / 121 (the bf16 prefill's tile
 over the cache's pages, ``MMA_V2_BF16_DECODE_HEADS``) under the same conditions.
 
@@ -79,7 +80,7 @@ GLUON_DECODE_HEADS: frozenset[int] = frozenset(range(1, 17))
 # program). H200, topk 2048: 0.72-0.84x FlashMLA at h_q 128 and 0.89-1.01x at h_q 64, against
 # 0.42-0.67x for the tl kernel; at h_q 32 (B 128) 121 against 267 us for the tl kernel.
 GLUON_WS_DECODE_MIN_HEADS = 17
-# Head counts whose fp8 decode takes the mma.sync Gluon kernel of ``sm89_gluon`` on sm_89 / 120 / 121 (32-head
+# Head counts whose fp8 decode takes the mma.sync Gluon kernel of ``sm89_gluon`` on sm_80 / 86 / 89 / 120 / 121 (32-head
 # programs). H100 under the sm_120 proxy, topk 2048, B 32 / 128, s_q 1 / 2, CUDA graphs, against the tl tile in the
 # same run: 1.23-1.28x at h_q 16, 1.20-1.31x at 32, 1.11-1.22x at 64 / 128; 1.00-1.07x at 32-128 on another H100,
 # whose tl times were 13 % shorter (bench/results/h100-proxy-sm120/decode-mma-v2).
@@ -132,7 +133,7 @@ def _gluon_ws_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v
 
 
 def _mma_v2_route(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int, arch: int | None) -> bool:
-    """Whether the mma.sync Gluon kernel takes this call (sm_89 / 120 / 121, fp8 cache, a head count of
+    """Whether the mma.sync Gluon kernel takes this call (sm_80 / 86 / 89 / 120 / 121, fp8 cache, a head count of
     ``MMA_V2_DECODE_HEADS``)."""
     if kv_format != "fp8_ds_mla" or q.shape[2] not in MMA_V2_DECODE_HEADS:
         return False

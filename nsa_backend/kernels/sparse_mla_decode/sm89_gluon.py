@@ -1,4 +1,4 @@
-"""Gluon sparse MLA decode over the "fp8_ds_mla" cache for the mma.sync archs (sm_89 / 120 / 121).
+"""Gluon sparse MLA decode over the "fp8_ds_mla" cache for the mma.sync archs (sm_80 / 86 / 89 / 120 / 121).
 
 A program takes one query row ``(b, s)``, ``BLOCK_H = 32`` heads and one split of the row's top-k list
 (grid ``(head blocks, B * s_q, splits)``: the head blocks of a row are neighbours in the launch order and
@@ -9,10 +9,12 @@ gather the same keys), ``BLOCK_N = 32`` slots per tile, eight warps:
   part stays in shared memory (16 registers fewer, so that the score MMAs interleave);
 - the raw 656-byte rows of a tile (512 e4m3 bytes, four fp32 group scales, 64 bf16 rope values) come by
   ``cp.async`` into a ring of ``STAGES`` buffers, ``STAGES - 1`` tiles ahead, from slots read one tile ahead of
-  their copies; invalid slots (``< 0``, ``>= num_blocks * page``, past ``topk_length`` or the split) are
-  zero-filled and their scores ``-inf``;
+  their copies (the three copies give a row to the same eight threads: one slot load, one page computation);
+  invalid slots (``< 0``, ``>= num_blocks * page``, past ``topk_length`` or the split) are zero-filled and their
+  scores ``-inf``;
 - all threads convert a tile's latent bytes once into one bf16 key buffer (``bf16(e4m3 * scale)``, exactly
-  as the reference), which both products read;
+  as the reference; on sm_80 / 86, without the fp8 conversions, with integer operations), which both products
+  read;
 - the warps form a 2 x 4 grid over ``S [32 heads, 32 keys]``: warp ``(m, n)`` computes heads ``16 m ..`` and
   keys ``8 n ..`` of the scores (four accumulators, one per latent group, so that the MMAs do not wait on each
   other), and no score is summed across warps. The scores pass through shared memory once (one barrier): each
@@ -32,12 +34,12 @@ import torch
 import triton
 
 from nsa_backend.configs.sparse_mla import one_wave_splits
-from nsa_backend.kernels._arch import device_sms
+from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
 from nsa_backend.kernels.sparse_mla_decode import sm90_gluon as sm90
 from nsa_backend.kernels.sparse_mla_decode.merge import decode_outputs, launch_split_decode
-from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, pow2_dequant_ptx
+from nsa_backend.kernels.sparse_mla_prefill.common import LOG2E, e4m3_f16_dequant_ptx, fp8_native, pow2_dequant_ptx
 
 if gluon_importable():
     from triton.experimental import gluon
@@ -49,8 +51,8 @@ if gluon_importable():
 else:  # pragma: no cover - the kernel is never launched without Gluon
     gluon = None
 
-# Architectures the kernel is written for (mma.sync with the fp8 conversions).
-MMA_V2_DECODE_ARCHS: tuple[int, ...] = (89, 120, 121)
+# Architectures the kernel is written for: mma.sync, with the fp8 conversions from sm_89 on (``fp8_native``).
+MMA_V2_DECODE_ARCHS: tuple[int, ...] = (80, 86, 89, 120, 121)
 BLOCK_H = 32
 BLOCK_N = 32
 NUM_WARPS = 8
@@ -59,6 +61,8 @@ STAGES = 2
 MAX_ROWS = 65535
 # The power-of-two dequantisation with an fma (sm_80 on).
 _POW2_DEQUANT_PTX = triton.language.constexpr(pow2_dequant_ptx("fma"))
+# The exact dequantisation with integer operations (sm_80 / 86).
+_E4M3_F16_DEQUANT_PTX = triton.language.constexpr(e4m3_f16_dequant_ptx())
 
 
 if gluon is not None:
@@ -75,46 +79,51 @@ if gluon is not None:
 
     @gluon.jit
     def _decode_mma_v2_slots(p_idx, n0, n_stop, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """The slots of the tile at ``n0`` (``-1`` past ``n_stop``) in the layouts of the three copies."""
-        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NUM_WARPS, 1], [1, 0])
-        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
-        o_l = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_LAT))
-        o_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_ROPE))
-        o_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_SC))
-        return (gl.load(p_idx + o_l, mask=o_l < n_stop, other=-1), gl.load(p_idx + o_r, mask=o_r < n_stop, other=-1),
-                gl.load(p_idx + o_s, mask=o_s < n_stop, other=-1))
+        """The slots of the tile at ``n0`` (``-1`` past ``n_stop``), one per row of the copies' layouts."""
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+        o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_LAT))
+        return gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
 
     @gluon.jit
-    def _decode_mma_v2_issue(kv_ptr, b_il, b_ir, b_is, n_slots, lat, sc, rope, PAGE: gl.constexpr,
-                             stride_page, stride_row, NUM_WARPS: gl.constexpr):
-        """``cp.async`` of the raw rows of the slots ``b_il`` / ``b_ir`` / ``b_is`` (one tile's slots in the layouts
-        of ``_decode_mma_v2_slots``, ``-1`` past its end) into one ring buffer; one commit group."""
-        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NUM_WARPS, 1], [1, 0])
+    def _decode_mma_v2_issue(kv_ptr, b_slot, n_slots, lat, sc, rope, PAGE: gl.constexpr, stride_page, stride_row,
+                             NUM_WARPS: gl.constexpr):
+        """``cp.async`` of the raw rows of the slots ``b_slot`` (one tile's slots from ``_decode_mma_v2_slots``,
+        ``-1`` past its end) into one ring buffer; one commit group.
+
+        The three copies give a row to the same eight threads (their layouts differ only in the columns a thread
+        takes), so the row offsets are computed once and their layout conversions move nothing.
+        """
+        L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
         L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NUM_WARPS, 1], [1, 0])
-        o_row, m_n = _decode_mma_v2_rows(b_il, n_slots, PAGE, stride_page, stride_row)
+        L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NUM_WARPS, 1], [1, 0])
+        o_row, m_n = _decode_mma_v2_rows(b_slot, n_slots, PAGE, stride_page, stride_row)
         c_lat = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT)), 0)
         cp_async(lat, kv_ptr + gl.expand_dims(o_row, 1) + c_lat, mask=gl.expand_dims(m_n, 1))
-        o_row, m_n = _decode_mma_v2_rows(b_ir, n_slots, PAGE, stride_page, stride_row)
-        p_rope = (kv_ptr + o_row + 528).to(gl.pointer_type(gl.bfloat16))
+        o_rp = gl.convert_layout(o_row, gl.SliceLayout(1, L_ROPE))
+        m_rp = gl.convert_layout(m_n, gl.SliceLayout(1, L_ROPE))
+        p_rope = (kv_ptr + o_rp + 528).to(gl.pointer_type(gl.bfloat16))
         c_rp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
-        cp_async(rope, gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_n, 1))
-        o_row, m_n = _decode_mma_v2_rows(b_is, n_slots, PAGE, stride_page, stride_row)
-        p_sc = (kv_ptr + o_row + 512).to(gl.pointer_type(gl.float32))
+        cp_async(rope, gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_rp, 1))
+        o_sc = gl.convert_layout(o_row, gl.SliceLayout(1, L_SC))
+        m_sc = gl.convert_layout(m_n, gl.SliceLayout(1, L_SC))
+        p_sc = (kv_ptr + o_sc + 512).to(gl.pointer_type(gl.float32))
         c_sc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC)), 0)
-        cp_async(sc, gl.expand_dims(p_sc, 1) + c_sc, mask=gl.expand_dims(m_n, 1))
+        cp_async(sc, gl.expand_dims(p_sc, 1) + c_sc, mask=gl.expand_dims(m_sc, 1))
         async_copy.commit_group()
 
     @gluon.jit
-    def _decode_mma_v2_dequant(b_raw, b_sg, POW2_SCALES: gl.constexpr):
+    def _decode_mma_v2_dequant(b_raw, b_sg, POW2_SCALES: gl.constexpr, FP8_NATIVE: gl.constexpr):
         """``bf16(e4m3 * scale)`` (see ``sm90._sparse_mla_decode_gluon_dequant``; the power-of-two form with an
-        fma instead of the sm_90 bf16 multiply)."""
+        fma instead of the sm_90 bf16 multiply). Without the fp8 conversions (sm_80 / 86) the bytes are decoded
+        with integer operations (``e4m3_f16_dequant_ptx``)."""
         if POW2_SCALES:
             b_s16 = (b_sg * 1.329227995784916e36).to(gl.bfloat16)  # scale * 2^120
             return gl.inline_asm_elementwise(_POW2_DEQUANT_PTX, "=r,=r,r,r,r", [b_raw, b_s16], dtype=gl.bfloat16,
                                              is_pure=True, pack=4)
-        return (b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg).to(gl.bfloat16)
+        if FP8_NATIVE:
+            return (b_raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * b_sg).to(gl.bfloat16)
+        return gl.inline_asm_elementwise(_E4M3_F16_DEQUANT_PTX, "=r,=r,r,r,r,r,r", [b_raw, b_sg * 256.0],
+                                         dtype=gl.bfloat16, is_pure=True, pack=4)
 
     @gluon.jit
     def _decode_mma_v2_kernel(
@@ -128,7 +137,7 @@ if gluon is not None:
         stride_lb, stride_lr, stride_ls, stride_lh,
         PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, POW2_SCALES: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
+        FP8_NATIVE: gl.constexpr, NUM_WARPS: gl.constexpr,
     ):
         gl.static_assert(STAGES >= 2)
         gl.static_assert(NUM_WARPS == 8)
@@ -157,11 +166,11 @@ if gluon is not None:
         s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], RAW)
 
         for t in gl.static_range(STAGES - 1):
-            b_il, b_ir, b_is = _decode_mma_v2_slots(p_idx, n_start + t * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
-            _decode_mma_v2_issue(kv_ptr, b_il, b_ir, b_is, n_slots, lat_smem.index(t), sc_smem.index(t),
-                                 rope_smem.index(t), PAGE, stride_page, stride_row, NUM_WARPS)
+            b_slot = _decode_mma_v2_slots(p_idx, n_start + t * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
+            _decode_mma_v2_issue(kv_ptr, b_slot, n_slots, lat_smem.index(t), sc_smem.index(t), rope_smem.index(t),
+                                 PAGE, stride_page, stride_row, NUM_WARPS)
         # the slots of the next tile to copy and of the tile to score are read an iteration ahead
-        b_il, b_ir, b_is = _decode_mma_v2_slots(p_idx, n_start + (STAGES - 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
+        b_slot = _decode_mma_v2_slots(p_idx, n_start + (STAGES - 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
 
         # ---- q: the latent part into the registers of the A operand (heads past h_q zero), through the first key
         # buffer; the rope part stays in shared memory (16 registers fewer, and the score MMAs then interleave)
@@ -187,16 +196,15 @@ if gluon is not None:
             # tile j landed for every thread; every warp is done with tile j - 1: its keys, scores and buffer
             cta_barrier()
             jn = j + STAGES - 1
-            _decode_mma_v2_issue(kv_ptr, b_il, b_ir, b_is, n_slots, lat_smem.index(jn % STAGES),
-                                 sc_smem.index(jn % STAGES), rope_smem.index(jn % STAGES), PAGE, stride_page,
-                                 stride_row, NUM_WARPS)
-            b_il, b_ir, b_is = _decode_mma_v2_slots(p_idx, n_start + (jn + 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
+            _decode_mma_v2_issue(kv_ptr, b_slot, n_slots, lat_smem.index(jn % STAGES), sc_smem.index(jn % STAGES),
+                                 rope_smem.index(jn % STAGES), PAGE, stride_page, stride_row, NUM_WARPS)
+            b_slot = _decode_mma_v2_slots(p_idx, n_start + (jn + 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
             lat = lat_smem.index(st)
             sc = sc_smem.index(st)
             for g in gl.static_range(4):
                 b_raw = lat.slice(g * 128, 128, dim=1).load(L_DQ)
                 b_sg = sc.slice(g, 1, dim=1).load(L_DQ)
-                k_smem.index(g).store(_decode_mma_v2_dequant(b_raw, b_sg, POW2_SCALES))
+                k_smem.index(g).store(_decode_mma_v2_dequant(b_raw, b_sg, POW2_SCALES, FP8_NATIVE))
             cta_barrier()
             b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
                 b_q0, b_q1, b_q2, b_q3, k_smem.index(0), k_smem.index(1), k_smem.index(2), k_smem.index(3), qr_smem,
@@ -275,7 +283,8 @@ def sparse_mla_decode_mma_v2(
     splits, per = plan(B, s_q, h_q, topk, device_sms(q.device, 8), num_splits)
     common = dict(
         PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=stages, HAS_TOPK_LEN=topk_length is not None,
-        POW2_SCALES=kv_scale_format == "pow2", NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
+        POW2_SCALES=kv_scale_format == "pow2", NUM_WARPS=NUM_WARPS, FP8_NATIVE=fp8_native(device_arch(q.device)),
+        num_warps=NUM_WARPS,
     )
     args = (sm_scale * LOG2E, h_q, topk, num_blocks * page, per, s_q,
             q.stride(1), q.stride(2), idx.stride(0), kv_cache.stride(0), kv_cache.stride(1))

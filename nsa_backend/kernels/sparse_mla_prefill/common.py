@@ -35,6 +35,26 @@ def pow2_dequant_ptx(product: str) -> str:
             "and.b32 a, a, 0x87F087F0;\nand.b32 b, b, 0x87F087F0;\n" + tail + "\n}")
 
 
+def e4m3_f16_dequant_ptx() -> str:
+    """PTX of the exact dequantisation of four e4m3 bytes (``$2``) with their fp32 ``scale * 2^8`` (``$3`` .. ``$6``)
+    into four bf16 (``$0``, ``$1``) without the fp8 conversions (sm_80 / 86), for ``inline_asm_elementwise(...,
+    pack=4)``.
+
+    Per byte ``b`` the fp16 bits ``(b & 0x80) << 8 | (b & 0x7f) << 7`` are ``e4m3(b) * 2^-8`` exactly (subnormals and
+    signed zeros included; the NaN code 0x7f decodes as 480 * 2^-8), so the fp32 product with ``scale * 2^8`` rounded
+    to bf16 is ``bf16(e4m3 * scale)`` for any scale. As in :func:`pow2_dequant_ptx`, ``prmt`` with sign replication
+    makes each 16-bit half ``int16(int8(b))``; ``(x << 7) & 0xbf80`` keeps the sign at bit 15 and the 7 magnitude bits
+    at 7-13 (the bits shifted from the low half into the high one land in bits 16-22, which the mask clears).
+    """
+    halves = "".join(f"cvt.f32.f16 f{i}, h{i};\nmul.rn.f32 f{i}, f{i}, ${3 + i};\n" for i in range(4))
+    return ("{\n.reg .b32 a, b;\n.reg .b16 h0, h1, h2, h3;\n.reg .f32 f0, f1, f2, f3;\n"
+            "prmt.b32 a, $2, 0, 0x9180;\nprmt.b32 b, $2, 0, 0xB3A2;\n"
+            "shl.b32 a, a, 7;\nshl.b32 b, b, 7;\n"
+            "and.b32 a, a, 0xBF80BF80;\nand.b32 b, b, 0xBF80BF80;\n"
+            "mov.b32 {h0, h1}, a;\nmov.b32 {h2, h3}, b;\n" + halves
+            + "cvt.rn.bf16x2.f32 $0, f1, f0;\ncvt.rn.bf16x2.f32 $1, f3, f2;\n}")
+
+
 def gluon_rows_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     """What the Gluon prefill kernels need of a call's tensors: bf16 ``q`` and ``kv`` with ``d_qk`` 576 and ``d_v``
     512, ``q`` rows and heads 16-byte aligned and ``kv`` contiguous and aligned (``cp.async`` copies 16 bytes)."""
