@@ -18,7 +18,9 @@ splits)``: the head blocks of a row are neighbours in the launch order and gathe
 - :func:`mma_v2_attend_tile` (shared with the fp8 decode of ``sparse_mla_decode/sm89_gluon.py``) computes the
   scores, the online softmax and ``O += P V`` of one tile: the warps form a 2 x 4 grid over
   ``S [32 heads, 32 keys]``, four score accumulators (one per latent group), the scores pass through shared
-  memory once and each warp reads its head group's ``[16, 32]`` back in the layout of ``P``'s operand.
+  memory once and each warp reads its head group's ``[16, 32]`` back in the layout of ``P``'s operand, as two
+  16-key halves: ``P V`` takes every latent group's first half, then every group's second, so that no two MMAs
+  into one accumulator are issued back to back.
 
 Outputs follow the ``tl`` tile (``_sparse_mla_fwd_kernel``): with one split natural-log ``lse`` (``+inf`` and
 ``out = 0`` for a row without a valid key), ``max_logits`` (``-inf`` then; the prefill), ``attn_sink`` scaling by
@@ -94,11 +96,13 @@ if gluon is not None:
         tile's latent keys ``[BLOCK_N, 128]`` in shared memory (also ``V``); ``qr_smem`` / ``kr``: the rope parts
         of ``q`` and of the keys; ``s_smem``: ``[BLOCK_H, BLOCK_N]`` fp32 for the score exchange; ``m_n``: the
         valid keys (``COL`` of ``MMA``); ``b_m`` / ``b_l``: running max (base 2) and sum in the row layout of the
-        ``A`` operand; ``b_acc0..3``: ``O`` in ``MMA``. Returns the updated ``b_m, b_l, b_acc0..3``.
+        ``A`` operand; ``b_acc0..3``: ``O`` in ``MMA``. Returns the updated ``b_m, b_l, b_acc0..3``. ``P`` and
+        ``P V`` are taken in two halves of the keys (``BLOCK_N / 2`` each, at least 16: the MMA's ``k``).
         """
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        HALF: gl.constexpr = s_smem.shape[1] // 2
         # S: each warp its 16 heads x 8 keys, in four accumulators (one chain of 36 dependent MMAs would wait on
         # each MMA's latency)
         b_s0 = mma_v2(b_q0, k0.permute((1, 0)).load(OP_B), b_zero)
@@ -111,19 +115,28 @@ if gluon is not None:
         # barrier); the max, P and the sums then stay inside the warp
         s_smem.store(b_s)
         cta_barrier()
-        b_sa = s_smem.load(OP_A)
-        b_m_new = gl.maximum(b_m, gl.max(b_sa, axis=1))
+        # in two halves of the keys: an accumulator's two MMAs are then 16 MMAs apart, not back to back (ptxas put two
+        # idle instructions between such a pair), and the halves' max and sum still take one reduction each
+        b_sa0 = s_smem.slice(0, HALF, dim=1).load(OP_A)
+        b_sa1 = s_smem.slice(HALF, HALF, dim=1).load(OP_A)
+        b_m_new = gl.maximum(b_m, gl.max(gl.maximum(b_sa0, b_sa1), axis=1))
         b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = gl.exp2(b_sa - gl.expand_dims(b_m_use, 1))
+        b_p0 = gl.exp2(b_sa0 - gl.expand_dims(b_m_use, 1))
+        b_p1 = gl.exp2(b_sa1 - gl.expand_dims(b_m_use, 1))
         b_alpha = gl.exp2(b_m - b_m_use)
-        b_l = b_l * b_alpha + gl.sum(b_p, axis=1)
-        b_pa = b_p.to(gl.bfloat16)
+        b_l = b_l * b_alpha + gl.sum(b_p0 + b_p1, axis=1)
+        b_pa0 = b_p0.to(gl.bfloat16)
+        b_pa1 = b_p1.to(gl.bfloat16)
         b_alpha = gl.expand_dims(gl.convert_layout(b_alpha, ROW), 1)
-        # O [BLOCK_H, 512] += P V, V = the latent keys
-        b_acc0 = mma_v2(b_pa, k0.load(OP_B), b_acc0 * b_alpha)
-        b_acc1 = mma_v2(b_pa, k1.load(OP_B), b_acc1 * b_alpha)
-        b_acc2 = mma_v2(b_pa, k2.load(OP_B), b_acc2 * b_alpha)
-        b_acc3 = mma_v2(b_pa, k3.load(OP_B), b_acc3 * b_alpha)
+        # O [BLOCK_H, 512] += P V, V = the latent keys: every group's first half, then every group's second
+        b_acc0 = mma_v2(b_pa0, k0.slice(0, HALF, dim=0).load(OP_B), b_acc0 * b_alpha)
+        b_acc1 = mma_v2(b_pa0, k1.slice(0, HALF, dim=0).load(OP_B), b_acc1 * b_alpha)
+        b_acc2 = mma_v2(b_pa0, k2.slice(0, HALF, dim=0).load(OP_B), b_acc2 * b_alpha)
+        b_acc3 = mma_v2(b_pa0, k3.slice(0, HALF, dim=0).load(OP_B), b_acc3 * b_alpha)
+        b_acc0 = mma_v2(b_pa1, k0.slice(HALF, HALF, dim=0).load(OP_B), b_acc0)
+        b_acc1 = mma_v2(b_pa1, k1.slice(HALF, HALF, dim=0).load(OP_B), b_acc1)
+        b_acc2 = mma_v2(b_pa1, k2.slice(HALF, HALF, dim=0).load(OP_B), b_acc2)
+        b_acc3 = mma_v2(b_pa1, k3.slice(HALF, HALF, dim=0).load(OP_B), b_acc3)
         return b_m_new, b_l, b_acc0, b_acc1, b_acc2, b_acc3
 
     @gluon.jit

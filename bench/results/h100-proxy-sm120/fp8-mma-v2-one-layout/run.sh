@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The commands of this folder's results, from the repository root on the GPU (OUT: where they go).
 # `run.sh tests`: the GPU tests; `run.sh sweep`: the timings; `run.sh all`: the tests, the timings, then the
-# Nsight Compute profiles of profile.sh (PROFILE=0: not run).
+# Nsight Compute profiles of profile.sh (PROFILE=0: not run). HEAD_KERNEL=<an earlier sm89_gluon.py>: timed beside
+# under sm_120 (sweep.py); PV_SPLIT=<a sm80_gluon.py>: its prefill timed against the tree's and fuzzed (pv_split.py).
 set -u
 OUT=${OUT:-.}
-D=bench/results/proxy-fp8-mma-v2
+D=bench/results/h100-proxy-sm120/fp8-mma-v2-one-layout
 P="DISABLE_MMA_V3=1 NSA_BACKEND_FORCE_ARCH=sm120"
 export PYTHONPATH=$PWD
 mkdir -p "$OUT/gpu-tests"
@@ -27,6 +28,9 @@ if [ "$MODE" != sweep ]; then
 fi
 if [ "$MODE" != tests ]; then
   timeout ${SWEEP_S:-300} env DISABLE_MMA_V3=1 OUT=$OUT HEAD_KERNEL=${HEAD_KERNEL:-} python $D/sweep.py
+fi
+if [ -n "${PV_SPLIT:-}" ]; then
+  timeout ${PV_S:-120} env DISABLE_MMA_V3=1 OUT=/tmp PV_SPLIT=$PV_SPLIT python $D/pv_split.py > "$OUT/pv_split.txt" 2>&1
 fi
 if [ "$MODE" = all ] && [ "${PROFILE:-1}" = 1 ]; then
   timeout ${PROFILE_S:-200} env OUT=$OUT bash $D/profile.sh
