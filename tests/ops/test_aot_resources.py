@@ -47,9 +47,9 @@ _MMA_V2_TILE = ("the Gluon mma.sync tile holds q's latent part and a [32, 512] a
                 "registers; taking P V in two halves of the keys (an accumulator's two MMAs 16 apart instead of back "
                 "to back) makes ptxas keep a loop-invariant 64-bit offset in 8 B of local memory on sm_120 / 121 for "
                 "the bf16 prefill and the fp8 decode (stored before the loop, loaded once per 32-key tile, which has "
-                "24 instructions fewer), while it took the "
-                "sm_90 build the proxy times from 12 B to none and 36 B to 20 B, and sm_86 / 89's bf16 decode from "
-                "16 B to none; the prefill ran 1.10-1.13x faster under the proxy")
+                "24 instructions fewer), while it took the sm_90 build the proxy times from 12 B to none and 36 B "
+                "to 20 B, and sm_86 / 89's bf16 decode from 16 B to none; the prefill ran 1.10-1.13x faster under "
+                "the proxy")
 
 KNOWN_SPILLS: dict[tuple[str, str, int], str] = {
     **{("sparse_mla", "prefill", a): _SPARSE_MLA for a in (120, 121)},

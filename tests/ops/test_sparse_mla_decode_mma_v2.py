@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -91,8 +92,6 @@ def test_integer_dequant_is_the_reference_dequant():
     """The steps of ``e4m3_f16_dequant_ptx`` (sm_80 / 86), read from its source, give for every pair of bytes the fp16
     bits of ``e4m3(b) * 2^-8`` exactly (subnormals and signed zeros included); with the fp32 product by
     ``scale * 2^8`` and the bf16 rounding that is the reference's ``bf16(e4m3 * scale)`` for any scale."""
-    import re
-
     from nsa_backend.kernels.sparse_mla_prefill.common import e4m3_f16_dequant_ptx
     from nsa_backend.reference import unpack_fp8_ds_mla
 
@@ -120,9 +119,9 @@ def test_integer_dequant_is_the_reference_dequant():
     for scale in scales.tolist():
         got = (values * torch.tensor(scale * 256.0)).to(torch.bfloat16)
         row = torch.zeros(1, 656, dtype=torch.uint8)
+        row[0, 512:528] = torch.tensor([scale] * 4, dtype=torch.float32).view(torch.uint8)
         for start in range(0, 256, 128):
             row[0, :128] = codes[start:start + 128]
-            row[0, 512:528] = torch.tensor([scale] * 4, dtype=torch.float32).view(torch.uint8)
             want = unpack_fp8_ds_mla(row)[0, :128]
             assert torch.equal(got[start:start + 128][finite[start:start + 128]],
                                want[finite[start:start + 128]]), scale
