@@ -12,7 +12,9 @@ instructions by class::
 Classes (SASS opcodes): ``mma`` (``HMMA`` bf16 / fp16 / tf32, ``QMMA`` fp8, ``IMMA``), shared-memory
 loads (``LDS``, ``LDSM``), shared-memory stores (``STS``), barriers (``BAR``), global loads (``LDG``,
 ``LDGSTS``), local memory (``LDL``, ``STL``: register spills), conversions (``F2F``, ``F2FP``, ``I2F``,
-``F2I``). Counts are static: one pass of the loop body as compiled, not a profile.
+``F2I``), and idle slots: any instruction under the never-true predicate ``!PT`` / ``!UPT``, which ptxas
+inserts as padding (e.g. between dependent MMAs); it takes an issue slot and does nothing. Counts are static:
+one pass of the loop body as compiled, not a profile.
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ OPCODE_CLASS: dict[str, str] = {
     "F2F": "conversions", "F2FP": "conversions", "I2F": "conversions", "F2I": "conversions",
 }
 CLASSES: tuple[str, ...] = ("mma", "shared_loads", "shared_stores", "barriers", "global_loads", "local",
-                            "conversions")
+                            "conversions", "idle")
+# predicates that never hold: an instruction under one is padding
+_NEVER = ("@!PT", "@!UPT")
 
 # "/*0f20*/   @!P1 BRA `(.L_x_2) ;" -> address, opcode, branch label
-_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:(@!?U?P[T0-9]+)\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
@@ -99,7 +103,7 @@ def instruction_mix(sass: str) -> InstructionMix:
     A loop is the range from a label to a later branch back to it. Without such a loop (or without
     MMAs in any), the whole text is counted and ``loop`` is False.
     """
-    instructions: list[tuple[int, str, str | None]] = []  # (address, opcode, branch label)
+    instructions: list[tuple[int, str, str | None]] = []  # (address, class, branch label)
     labels: dict[str, int] = {}
     pending: list[str] = []
     for line in sass.splitlines():
@@ -114,23 +118,25 @@ def instruction_mix(sass: str) -> InstructionMix:
         for name in pending:
             labels[name] = addr
         pending = []
-        target = _BRANCH_TARGET.search(m.group(3)) if m.group(2) == "BRA" else None
-        instructions.append((addr, m.group(2), target.group(1) if target else None))
+        predicate, op = m.group(2), m.group(3)
+        target = _BRANCH_TARGET.search(m.group(4)) if op == "BRA" else None
+        cls = "idle" if predicate in _NEVER else OPCODE_CLASS.get(op, "other")
+        instructions.append((addr, cls, target.group(1) if target else None))
 
-    def classify(ops: Sequence[str]) -> dict[str, int]:
-        counts = Counter(OPCODE_CLASS.get(op, "other") for op in ops)
+    def classify(classes: Sequence[str]) -> dict[str, int]:
+        counts = Counter(classes)
         return {name: counts.get(name, 0) for name in (*CLASSES, "other")}
 
     best: dict[str, int] | None = None
-    for addr, _op, target in instructions:
+    for addr, _cls, target in instructions:
         start = labels.get(target) if target else None
         if start is None or start > addr:
             continue
-        counts = classify([o for a, o, _ in instructions if start <= a <= addr])
+        counts = classify([c for a, c, _ in instructions if start <= a <= addr])
         if counts["mma"] and (best is None or counts["mma"] > best["mma"]):
             best = counts
     if best is None:
-        return InstructionMix(classify([op for _, op, _ in instructions]), loop=False)
+        return InstructionMix(classify([c for _, c, _ in instructions]), loop=False)
     return InstructionMix(best, loop=True)
 
 
@@ -165,11 +171,12 @@ def render(rows: Sequence[MixRow], command: str) -> str:
         "counts of one pass of the loop that holds the most MMA instructions (`nsa_backend/kernels/aot_sass.py`);",
         "`scope` is `kernel` where no loop holds the MMAs (one tile per program), and the whole kernel is counted.",
         "`other / mma` is the instructions a warp issues around each MMA: on the mma.sync parts one scheduler",
-        "issues both, so the larger it is, the smaller the share of the matmul rate the loop can reach.",
+        "issues both, so the larger it is, the smaller the share of the matmul rate the loop can reach. `idle`: the",
+        "padding ptxas puts under a never-true predicate (`@!PT` / `@!UPT`), e.g. between dependent MMAs.",
         "",
         "| kernel | config | arch | warps | scope | mma | other / mma | shared loads | shared stores | barriers | "
-        "global loads | local (spills) | conversions | all |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "global loads | local (spills) | conversions | idle | all |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r.mix.counts
@@ -178,7 +185,7 @@ def render(rows: Sequence[MixRow], command: str) -> str:
         out.append(f"| {r.family}/{r.kind} | {r.config} | sm_{r.arch} | {r.num_warps} | "
                    f"{'loop' if r.mix.loop else 'kernel'} | {c['mma']} | {r.mix.per_mma:.1f} | {c['shared_loads']} | "
                    f"{c['shared_stores']} | {c['barriers']} | {c['global_loads']} | {c['local']} | "
-                   f"{c['conversions']} | {r.mix.total} |")
+                   f"{c['conversions']} | {c['idle']} | {r.mix.total} |")
     without = sorted({f"{r.family}/{r.kind}" for r in rows if not r.mix.counts["mma"]})
     if without:
         out += ["", "Without MMA instructions (not listed above): " + ", ".join(without) + "."]

@@ -39,7 +39,29 @@ def test_the_loop_with_most_mma_is_counted():
     mix = instruction_mix(LISTING)
     assert mix.loop
     assert mix.counts == {"mma": 2, "shared_loads": 0, "shared_stores": 0, "barriers": 1, "global_loads": 0,
-                          "local": 1, "conversions": 1, "other": 2}
+                          "local": 1, "conversions": 1, "idle": 0, "other": 2}
+    assert mix.total == 7 and mix.per_mma == 2.5
+
+
+# ptxas pads with instructions under the never-true predicates !PT / !UPT (e.g. between dependent MMAs): they take
+# issue slots and do nothing, so they count as idle, not as the loads or arithmetic they spell
+PADDED = textwrap.dedent("""
+    .L_x_5:
+        /*0000*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0010*/              @!UPT UIADD3 URZ, UPT, UPT, URZ, URZ, URZ ;
+        /*0020*/              @!PT LDS RZ, [RZ] ;
+        /*0030*/              @P0 LDS R2, [R3] ;
+        /*0040*/              @!P1 STS [R3], R2 ;
+        /*0050*/                   HMMA.16816.F32.BF16 R4, R8, R14, R4 ;
+        /*0060*/              @P2 BRA `(.L_x_5) ;
+""")
+
+
+def test_never_executed_padding_counts_as_idle():
+    mix = instruction_mix(PADDED)
+    assert mix.loop
+    assert mix.counts["idle"] == 2
+    assert mix.counts["shared_loads"] == 1 and mix.counts["shared_stores"] == 1 and mix.counts["other"] == 1
     assert mix.total == 7 and mix.per_mma == 2.5
 
 
@@ -62,8 +84,8 @@ def test_report_lists_kernels_with_mma_and_names_the_rest():
                   instruction_mix("\n".join(line for line in LISTING.splitlines() if "BRA" not in line)))
     none = MixRow("other", "copy", "-", 120, 4, instruction_mix("        /*0000*/                   MOV R0, R1 ;\n"))
     text = render([with_loop, flat, none], "cmd")
-    assert "| fam/looped | cfg-a | sm_120 | 4 | loop | 2 | 2.5 | 0 | 0 | 1 | 0 | 1 | 1 | 7 |" in text
-    assert "| fam/flat | cfg-b | sm_86 | 8 | kernel | 3 | 2.7 | 1 | 0 | 1 | 1 | 1 | 1 | 11 |" in text
+    assert "| fam/looped | cfg-a | sm_120 | 4 | loop | 2 | 2.5 | 0 | 0 | 1 | 0 | 1 | 1 | 0 | 7 |" in text
+    assert "| fam/flat | cfg-b | sm_86 | 8 | kernel | 3 | 2.7 | 1 | 0 | 1 | 1 | 1 | 1 | 0 | 11 |" in text
     assert text.rstrip().endswith("Without MMA instructions (not listed above): other/copy.")
     assert "`cmd`" in text
 
