@@ -49,7 +49,7 @@ CLASSES: tuple[str, ...] = ("mma", "shared_loads", "shared_stores", "barriers", 
 # predicates that never hold: an instruction under one is padding
 _NEVER = ("@!PT", "@!UPT")
 
-# "/*0f20*/   @!P1 BRA `(.L_x_2) ;" -> address, opcode, branch label
+# "/*0f20*/   @!P1 BRA `(.L_x_2) ;" -> address, predicate, opcode, operands (with the branch label)
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:(@!?U?P[T0-9]+)\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
