@@ -7,8 +7,9 @@ each row's ``q`` and writes each row's outputs where the op lays them out). The 
 GPU (a Triton with Gluon and an sm_80 or newer GPU; on an sm_90 GPU the kernel runs as the sm120 proxy runs it): a
 300-case seeded fuzz of the kernel against the fp32 reference (1..128 heads and counts that are not multiples of
 the head block, top-k lists of 1..4096 slots, invalid slots ``-1`` / ``>= s_kv`` / other negatives, attn_sink,
-topk_length with empty rows, two and three ring buffers), rows without a valid key, CUDA-graph capture, and the
-route of the prefill launcher under each arch it serves (forced).
+topk_length with empty rows, two and three ring buffers), rows without a valid key, scores that rise along the top-k
+lists (the softmax's rescaling in later tiles), CUDA-graph capture, and the route of the prefill launcher under each
+arch it serves (forced).
 """
 
 from __future__ import annotations
@@ -193,6 +194,23 @@ def test_prefill_mma_v2_empty_rows_gpu():
         assert torch.equal(out[r], torch.zeros_like(out[r])), r
         assert torch.isinf(lse[r]).all() and (lse[r] > 0).all(), r
         assert torch.isinf(mx[r]).all() and (mx[r] < 0).all(), r
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("h_q", [20, 128])
+def test_prefill_mma_v2_rising_scores_gpu(h_q):
+    """Scores that keep rising along the top-k lists (key ``i`` scaled by ``1 + i / 64``; rows 0 and 2 list the keys
+    in order, rows 1 and 3 in a random order): each row's running max grows in many later tiles, at other tiles in
+    every row, so ``O`` is rescaled there, and ``out``, ``lse`` and ``max_logits`` still match the reference."""
+    a = prefill_case(4, h_q, 576, 4096, 2048, 0.0, False, False, seed=11)
+    dev = a["kv"].device
+    a["kv"] = (a["kv"].float() * (1 + torch.arange(4096, device=dev) / 64)[:, None, None]).bfloat16()
+    g = torch.Generator().manual_seed(3)
+    for r in range(4):
+        order = torch.arange(0, 4096, 2) if r % 2 == 0 else torch.randperm(4096, generator=g)[:2048]
+        a["indices"][r, 0] = order.to(device=dev, dtype=torch.int32)
+    _run(a, f"rising scores h_q {h_q}")
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ gather the same keys), ``BLOCK_N = 32`` slots per tile, eight warps:
   scores ``-inf``;
 - all threads convert a tile's latent bytes once into one bf16 key buffer (``bf16(e4m3 * scale)``, exactly
   as the reference; on sm_80 / 86, without the fp8 conversions, with integer operations), which both products
-  read;
+  read; sixteen threads take a row, eight bytes each, so that the 16-byte stores into the swizzled buffer meet
+  no bank conflict;
 - the warps form a 2 x 4 grid over ``S [32 heads, 32 keys]``: warp ``(m, n)`` computes heads ``16 m ..`` and
   keys ``8 n ..`` of the scores (four accumulators, one per latent group, so that the MMAs do not wait on each
   other), and no score is summed across warps. The scores pass through shared memory once (one barrier): each
@@ -47,7 +48,12 @@ if gluon_importable():
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     from nsa_backend.kernels._gluon import cp_async, cta_barrier
-    from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import mma_v2_attend_tile, mma_v2_load_q, mma_v2_store
+    from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import (
+        mma_v2_attend_tile,
+        mma_v2_load_q,
+        mma_v2_scores_smem,
+        mma_v2_store,
+    )
 else:  # pragma: no cover - the kernel is never launched without Gluon
     gluon = None
 
@@ -143,7 +149,9 @@ if gluon is not None:
         gl.static_assert(NUM_WARPS == 8)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        L_DQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+        # the conversion: 16 bytes of bf16 a thread and 16 threads a row, so that each 8-thread phase of a 16-byte
+        # store covers eight different bank groups of the swizzled key rows
+        L_DQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
         RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         # rows of 256 (keys, q) or 128 bytes (rope) in 16-byte vectors, swizzled over the eight bank groups
         K_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
@@ -163,7 +171,7 @@ if gluon is not None:
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], K_SL)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, 128], K_SL)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], K_SL)
-        s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], RAW)
+        s_smem = mma_v2_scores_smem(BLOCK_H, BLOCK_N)
 
         for t in gl.static_range(STAGES - 1):
             b_slot = _decode_mma_v2_slots(p_idx, n_start + t * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)

@@ -28,7 +28,7 @@ Outputs follow the ``tl`` tile (``_sparse_mla_fwd_kernel``): with one split natu
 merge combines. ``topk_length`` truncates each batch's lists (``[s_q]`` for the prefill, whose rows are batches
 of one).
 
-Shared memory with two stages: keys 64 KiB + rope 8 KiB + ``q`` rope 4 KiB + scores 4 KiB = 80 KiB.
+Shared memory with two stages: keys 64 KiB + rope 8 KiB + ``q`` rope 4 KiB + scores 5 KiB (padded rows) = 81 KiB.
 """
 
 from __future__ import annotations
@@ -88,13 +88,22 @@ if gluon is not None:
         return b_q0, b_q1, b_q2, b_q3
 
     @gluon.jit
+    def mma_v2_scores_smem(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The score exchange's ``[BLOCK_H, BLOCK_N]`` fp32 buffer (:func:`mma_v2_attend_tile`), eight words of padding
+        after each row. The exchange stores and loads two words a thread, a half-warp spanning four rows: rows of 32
+        words that all start in bank 0 would put those four rows in the same eight banks (four times the wavefronts);
+        with the padding row ``r`` starts in bank ``8 r``, and the four rows take all 32 banks."""
+        layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BLOCK_N, 8]], [BLOCK_H, BLOCK_N], [1, 0])
+        return gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], layout)
+
+    @gluon.jit
     def mma_v2_attend_tile(b_q0, b_q1, b_q2, b_q3, k0, k1, k2, k3, qr_smem, kr, s_smem, m_n, b_m, b_l,
                            b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA: gl.constexpr):
         """One key tile of the online softmax for ``[32, 576]`` heads of ``q`` on a ``2 x 4`` mma.sync grid.
 
         ``b_q0..3``: the latent part of ``q`` in the ``A`` operand's registers, 128 dims each; ``k0..3``: the
         tile's latent keys ``[BLOCK_N, 128]`` in shared memory (also ``V``); ``qr_smem`` / ``kr``: the rope parts
-        of ``q`` and of the keys; ``s_smem``: ``[BLOCK_H, BLOCK_N]`` fp32 for the score exchange; ``m_n``: the
+        of ``q`` and of the keys; ``s_smem``: the score exchange (:func:`mma_v2_scores_smem`); ``m_n``: the
         valid keys (``COL`` of ``MMA``); ``b_m`` / ``b_l``: running max (base 2) and sum in the row layout of the
         ``A`` operand; ``b_acc0..3``: ``O`` in ``MMA``. Returns the updated ``b_m, b_l, b_acc0..3``. ``P`` and
         ``P V`` are taken in two halves of the keys (``BLOCK_N / 2`` each, at least 16: the MMA's ``k``).
@@ -192,7 +201,6 @@ if gluon is not None:
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         # copies: 16 bytes a thread, a [32, 64] block per pass
         L_ROW: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-        RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         # rows of 256 (keys, q) or 128 bytes (rope) in 16-byte vectors, swizzled over the eight bank groups
         K_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -219,7 +227,7 @@ if gluon is not None:
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, BLOCK_N, 128], K_SL)
         kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], K_SL)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], K_SL)
-        s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], RAW)
+        s_smem = mma_v2_scores_smem(BLOCK_H, BLOCK_N)
 
         for t in gl.static_range(STAGES - 1):
             b_slot = _mma_v2_slots(p_idx, t * BLOCK_N, n_keys, BLOCK_N, L_ROW)
