@@ -50,9 +50,11 @@ if gluon_importable():
     from nsa_backend.kernels._gluon import cp_async, cta_barrier
     from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import (
         mma_v2_attend_tile,
+        mma_v2_keys_layout,
         mma_v2_load_q,
         mma_v2_scores_smem,
         mma_v2_store,
+        mma_v2_tile_layout,
     )
 else:  # pragma: no cover - the kernel is never launched without Gluon
     gluon = None
@@ -72,6 +74,13 @@ _E4M3_F16_DEQUANT_PTX = triton.language.constexpr(e4m3_f16_dequant_ptx())
 
 
 if gluon is not None:
+
+    @triton.constexpr_function
+    def mma_v2_dequant_layout(num_warps):
+        """The conversion's register layout over ``[rows, 128]`` of a latent group: eight bytes a thread and sixteen
+        threads a row, so that each eight-thread phase of a 16-byte store into the swizzled key rows covers eight
+        bank groups (``tests/ops/test_mma_v2_banks.py``)."""
+        return gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
 
     @gluon.jit
     def _decode_mma_v2_rows(b_idx, n_slots, PAGE: gl.constexpr, stride_page, stride_row):
@@ -147,14 +156,11 @@ if gluon is not None:
     ):
         gl.static_assert(STAGES >= 2)
         gl.static_assert(NUM_WARPS == 8)
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
+        MMA: gl.constexpr = mma_v2_tile_layout()
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        # the conversion: 16 bytes of bf16 a thread and 16 threads a row, so that each 8-thread phase of a 16-byte
-        # store covers eight different bank groups of the swizzled key rows
-        L_DQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+        L_DQ: gl.constexpr = mma_v2_dequant_layout(NUM_WARPS)
         RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        # rows of 256 (keys, q) or 128 bytes (rope) in 16-byte vectors, swizzled over the eight bank groups
-        K_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        K_SL: gl.constexpr = mma_v2_keys_layout()
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
         ROW_P: gl.constexpr = gl.SliceLayout(1, OP_A)

@@ -87,14 +87,30 @@ if gluon is not None:
         qr_smem.store(gl.load(p_q + 512 + o_qr, mask=m_hq, other=0.0))
         return b_q0, b_q1, b_q2, b_q3
 
+    @triton.constexpr_function
+    def mma_v2_tile_layout():
+        """The tile's register layout: m16n8 mma.sync products on a 2 x 4 grid of its eight warps."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
+
+    @triton.constexpr_function
+    def mma_v2_keys_layout():
+        """Shared layout of the key rows (256 bytes, 128 for the rope part) and of ``q``'s: 16-byte vectors XORed by
+        the row over the eight bank groups."""
+        return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+
+    @triton.constexpr_function
+    def mma_v2_scores_layout(block_h, block_n):
+        """Shared layout of the score exchange (:func:`mma_v2_scores_smem`): eight words of padding after each row."""
+        return gl.PaddedSharedLayout.with_identity_for([[block_n, 8]], [block_h, block_n], [1, 0])
+
     @gluon.jit
     def mma_v2_scores_smem(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
         """The score exchange's ``[BLOCK_H, BLOCK_N]`` fp32 buffer (:func:`mma_v2_attend_tile`), eight words of padding
         after each row. The exchange stores and loads two words a thread, a half-warp spanning four rows: rows of 32
         words that all start in bank 0 would put those four rows in the same eight banks (four times the wavefronts);
-        with the padding row ``r`` starts in bank ``8 r``, and the four rows take all 32 banks."""
-        layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BLOCK_N, 8]], [BLOCK_H, BLOCK_N], [1, 0])
-        return gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], layout)
+        with the padding row ``r`` starts in bank ``8 r``, and the four rows take all 32 banks
+        (``tests/ops/test_mma_v2_banks.py`` counts them)."""
+        return gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], mma_v2_scores_layout(BLOCK_H, BLOCK_N))
 
     @gluon.jit
     def mma_v2_attend_tile(b_q0, b_q1, b_q2, b_q3, k0, k1, k2, k3, qr_smem, kr, s_smem, m_n, b_m, b_l,
@@ -197,12 +213,11 @@ if gluon is not None:
     ):
         gl.static_assert(STAGES >= 2)
         gl.static_assert(NUM_WARPS == 8)
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
+        MMA: gl.constexpr = mma_v2_tile_layout()
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         # copies: 16 bytes a thread, a [32, 64] block per pass
         L_ROW: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-        # rows of 256 (keys, q) or 128 bytes (rope) in 16-byte vectors, swizzled over the eight bank groups
-        K_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        K_SL: gl.constexpr = mma_v2_keys_layout()
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
         ROW_P: gl.constexpr = gl.SliceLayout(1, OP_A)
