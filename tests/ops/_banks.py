@@ -12,6 +12,7 @@ contiguous in shared memory, as Triton vectorises those accesses.
 from __future__ import annotations
 
 import triton
+from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -45,8 +46,6 @@ def _lower(reg, smem, shape: list[int], dtype, num_warps: int, triton_count: boo
     target = GPUTarget("cuda", 120, 32)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": num_warps})
-    from triton._C.libtriton import ir  # Triton's compiler bindings, as its own compile does
-
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
