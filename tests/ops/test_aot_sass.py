@@ -116,6 +116,36 @@ def test_sparse_mla_decode_loop_on_sm120():
     assert fp8["shared_stores"] > bf16["shared_stores"]
 
 
+# The mma.sync Gluon kernels on sm_120, one build of each kind: CTA barriers and MMAs of the hot loop.
+_MMA_V2_BARRIERS = textwrap.dedent("""
+    import json
+    from nsa_backend.kernels.aot_registry import sparse_mla_jobs
+    from nsa_backend.kernels.aot_sass import disassemble, instruction_mix
+    out = {}
+    for job in sparse_mla_jobs(120):
+        if job.kind.endswith("mma_v2") and job.kind not in out:
+            mix = instruction_mix(disassemble(job.cubin()))
+            out[job.kind] = dict(mix.counts, loop=mix.loop)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_mma_v2_tiles_barriers_per_tile_on_sm120():
+    """Per 32-key tile (68 MMAs a warp) the bf16 mma.sync kernel (prefill and bf16 decode) passes two CTA barriers
+    (the ring's and the score exchange's) and the fp8 decode at most four (and its conversion's): Triton inserts one
+    between two accesses to one shared allocation that it cannot tell apart, which gave six and seven with Triton
+    3.6 / 3.8 when the ring's stages and latent groups shared allocations."""
+    got = run_aot_script(_MMA_V2_BARRIERS, timeout=600)
+    assert set(got) == {"prefill_mma_v2", "decode_bf16_mma_v2", "decode_mma_v2"}, sorted(got)
+    per_tile = {}
+    for kind, mix in got.items():
+        assert mix["loop"] and mix["mma"] % 68 == 0, (kind, mix)
+        per_tile[kind] = mix["barriers"] / (mix["mma"] // 68)
+    assert per_tile["prefill_mma_v2"] == per_tile["decode_bf16_mma_v2"] == 2, per_tile
+    assert per_tile["decode_mma_v2"] <= 4, per_tile
+
+
 # The shipped fp8 decode tile with the most heads whose build sets the flag named by argv[1] (a constexpr of the
 # kernel) on sm_<argv[2]> (default 120), compiled as shipped ("on") and with the flag off ("off"): its hot loop's
 # instruction mix, spill and shared memory.

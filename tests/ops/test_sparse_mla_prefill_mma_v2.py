@@ -130,7 +130,7 @@ def test_launch_addresses_every_row_and_head(monkeypatch, stages):
     assert grid == (s_q * 2, 1)  # two 32-head blocks per row, one split
     assert a["q_ptr"] is q and a["out_ptr"] is out and a["lse_ptr"] is lse and a["max_ptr"] is max_logits
     assert a["sink_ptr"] is sink and a["topk_len_ptr"] is None
-    assert (a["n_slots"], a["keys_per_split"], a["topk"], a["h_q"]) == (s_kv, topk, topk, h_q)
+    assert (a["n_slots"], a["keys_per_split"], a["topk"], a["h_q"]) == (s_kv, topk, topk, h_q)  # 64: two tiles
     assert a["stride_page"] == 576 and a["idx_ptr"].shape == (s_q, topk) and a["stride_idx_row"] == topk
     assert (opt["PAGE"], opt["SPLIT"], opt["HAS_MAX"], opt["HAS_SINK"], opt["STAGES"]) == (1, False, True, True, stages)
     got = mma_v2_kernel_offsets(a, s_q, h_q)
@@ -138,6 +138,23 @@ def test_launch_addresses_every_row_and_head(monkeypatch, stages):
     assert torch.equal(got["out"], element_offsets(out)[..., 0])
     assert torch.equal(got["lse"], element_offsets(lse))
     assert torch.equal(got["lse"], element_offsets(max_logits))  # max_logits at lse's offsets
+
+
+@pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon")
+@pytest.mark.parametrize("topk,per", [(1, 32), (31, 32), (33, 64), (2048, 2048)])
+def test_launch_passes_whole_tiles_per_split(monkeypatch, topk, per):
+    """The prefill's one split is passed as whole 32-key tiles, never one key: Triton specialises an argument of 1
+    into the kernel, and a one-key list then fixed the trip count of the two-tile loop, which Triton 3.6 could not
+    lower. ``topk`` itself still bounds the keys."""
+    from nsa_backend.kernels.sparse_mla_prefill import sm80_gluon as G
+
+    rec = LaunchRecorder(G.kernel())
+    monkeypatch.setattr(G, "cached_launcher", lambda kernel: rec)
+    q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    G.flash_mla_sparse_fwd_mma_v2(q, torch.zeros(40, 1, 576, dtype=torch.bfloat16),
+                                  torch.zeros(2, 1, topk, dtype=torch.int32), 0.1)
+    ((_, a, _),) = rec.launches
+    assert (a["keys_per_split"], a["topk"]) == (per, topk)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,17 +12,18 @@ gather the same keys), ``BLOCK_N = 32`` slots per tile, eight warps:
   their copies (the three copies give a row to the same eight threads: one slot load, one page computation);
   invalid slots (``< 0``, ``>= num_blocks * page``, past ``topk_length`` or the split) are zero-filled and their
   scores ``-inf``;
-- all threads convert a tile's latent bytes once into one bf16 key buffer (``bf16(e4m3 * scale)``, exactly
-  as the reference; on sm_80 / 86, without the fp8 conversions, with integer operations), which both products
-  read; sixteen threads take a row, eight bytes each, so that the 16-byte stores into the swizzled buffer meet
-  no bank conflict;
+- all threads convert a tile's latent bytes once into bf16 keys, one buffer and allocation per latent group
+  (``bf16(e4m3 * scale)``, exactly as the reference; on sm_80 / 86, without the fp8 conversions, with integer
+  operations), which both products read; sixteen threads take a row, eight bytes each, so that the 16-byte stores
+  into the swizzled buffers meet no bank conflict;
 - the warps form a 2 x 4 grid over ``S [32 heads, 32 keys]``: warp ``(m, n)`` computes heads ``16 m ..`` and
   keys ``8 n ..`` of the scores (four accumulators, one per latent group, so that the MMAs do not wait on each
   other), and no score is summed across warps. The scores pass through shared memory once (one barrier): each
   warp reads its head group's ``[16, 32]`` back in the layout of the ``A`` operand of ``P V``, and takes the
   max, ``P`` and the row sums there. For ``O [32, 512] += P V`` warp ``(m, n)`` holds heads ``16 m ..`` and
-  every fourth 8-column slice of the latent dims. Three barriers per tile in all. The products and the softmax
-  are ``mma_v2_attend_tile`` of ``sparse_mla_prefill/sm80_gluon.py``, which the bf16 prefill shares.
+  every fourth 8-column slice of the latent dims. Three barriers per tile in all (Triton 3.6 and 3.8 add a
+  fourth between a tile's copies and its conversion, which use two buffers of one ring allocation). The products
+  and the softmax are ``mma_v2_attend_tile`` of ``sparse_mla_prefill/sm80_gluon.py``, which the bf16 prefill shares.
 
 Outputs follow ``_sparse_mla_fwd_kernel``: with one split the final bf16 ``out``, the natural-log ``lse``
 (``+inf`` for a row without a valid key) and ``attn_sink``; with several splits the normalised fp32
@@ -141,6 +142,14 @@ if gluon is not None:
                                          dtype=gl.bfloat16, is_pure=True, pack=4)
 
     @gluon.jit
+    def _decode_mma_v2_convert(lat, sc, g: gl.constexpr, k_g, POW2_SCALES: gl.constexpr, FP8_NATIVE: gl.constexpr,
+                               L_DQ: gl.constexpr):
+        """Latent group ``g`` of a raw tile (``lat`` / ``sc``: one ring buffer) into ``k_g`` as bf16."""
+        b_raw = lat.slice(g * 128, 128, dim=1).load(L_DQ)
+        b_sg = sc.slice(g, 1, dim=1).load(L_DQ)
+        k_g.store(_decode_mma_v2_dequant(b_raw, b_sg, POW2_SCALES, FP8_NATIVE))
+
+    @gluon.jit
     def _decode_mma_v2_kernel(
         q_ptr, kv_ptr, idx_ptr, sink_ptr, topk_len_ptr,
         out_ptr, lse_ptr,
@@ -175,7 +184,12 @@ if gluon is not None:
         lat_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
         sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, 4], RAW)
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], K_SL)
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, 128], K_SL)
+        # one allocation per latent group: Triton puts a CTA barrier between two accesses to one allocation when one
+        # writes (see the prefill's mma_v2_key_ring), which gave three between the four groups' conversions
+        k0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL)
+        k1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL)
+        k2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL)
+        k3 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], K_SL)
         s_smem = mma_v2_scores_smem(BLOCK_H, BLOCK_N)
 
@@ -188,7 +202,7 @@ if gluon is not None:
 
         # ---- q: the latent part into the registers of the A operand (heads past h_q zero), through the first key
         # buffer; the rope part stays in shared memory (16 registers fewer, and the score MMAs then interleave)
-        b_q0, b_q1, b_q2, b_q3 = mma_v2_load_q(q_ptr + i_r * stride_q_row, stride_q_head, i_h, h_q, k_smem.index(0),
+        b_q0, b_q1, b_q2, b_q3 = mma_v2_load_q(q_ptr + i_r * stride_q_row, stride_q_head, i_h, h_q, k0,
                                                qr_smem, BLOCK_H, NUM_WARPS, OP_A)
 
         # running max (base 2) and sum of every head, in the layout of the rows of P
@@ -215,13 +229,13 @@ if gluon is not None:
             b_slot = _decode_mma_v2_slots(p_idx, n_start + (jn + 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
             lat = lat_smem.index(st)
             sc = sc_smem.index(st)
-            for g in gl.static_range(4):
-                b_raw = lat.slice(g * 128, 128, dim=1).load(L_DQ)
-                b_sg = sc.slice(g, 1, dim=1).load(L_DQ)
-                k_smem.index(g).store(_decode_mma_v2_dequant(b_raw, b_sg, POW2_SCALES, FP8_NATIVE))
+            _decode_mma_v2_convert(lat, sc, 0, k0, POW2_SCALES, FP8_NATIVE, L_DQ)
+            _decode_mma_v2_convert(lat, sc, 1, k1, POW2_SCALES, FP8_NATIVE, L_DQ)
+            _decode_mma_v2_convert(lat, sc, 2, k2, POW2_SCALES, FP8_NATIVE, L_DQ)
+            _decode_mma_v2_convert(lat, sc, 3, k3, POW2_SCALES, FP8_NATIVE, L_DQ)
             cta_barrier()
             b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
-                b_q0, b_q1, b_q2, b_q3, k_smem.index(0), k_smem.index(1), k_smem.index(2), k_smem.index(3), qr_smem,
+                b_q0, b_q1, b_q2, b_q3, k0, k1, k2, k3, qr_smem,
                 rope_smem.index(st), s_smem, m_n, b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA)
         async_copy.wait_group(0)
         b_m = gl.convert_layout(b_m, ROW)

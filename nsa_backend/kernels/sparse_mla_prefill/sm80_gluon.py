@@ -12,9 +12,11 @@ splits)``: the head blocks of a row are neighbours in the launch order and gathe
   stays there; its rope part stays in shared memory;
 - the bf16 key rows of a tile (row ``slot % PAGE`` of page ``slot // PAGE``; the prefill's rows are pages of
   one) come by ``cp.async`` into a ring of ``STAGES`` buffers (four ``[32, 128]`` latent groups and the
-  ``[32, 64]`` rope part each), ``STAGES - 1`` tiles ahead; invalid slots (``< 0``, ``>= n_slots``, past
-  ``topk_length``) are zero-filled and their scores ``-inf``. Both products read the ring buffer itself: there is
-  no conversion, so a tile takes two barriers;
+  ``[32, 64]`` rope part each, every one its own allocation: :func:`mma_v2_key_ring`), ``STAGES - 1`` tiles ahead;
+  invalid slots (``< 0``, ``>= n_slots``, past ``topk_length``) are zero-filled and their scores ``-inf``. Both
+  products read the ring buffer itself: there is no conversion, so a tile takes two barriers. The loop takes
+  ``STAGES`` tiles an iteration, so that each tile's buffers are known when compiling and Triton puts no barrier of
+  its own between the copies into one stage and the products over another;
 - :func:`mma_v2_attend_tile` (shared with the fp8 decode of ``sparse_mla_decode/sm89_gluon.py``) computes the
   scores, the online softmax and ``O += P V`` of one tile: the warps form a 2 x 4 grid over
   ``S [32 heads, 32 keys]``, four score accumulators (one per latent group), the scores pass through shared
@@ -165,17 +167,34 @@ if gluon is not None:
         return b_m_new, b_l, b_acc0, b_acc1, b_acc2, b_acc3
 
     @gluon.jit
+    def mma_v2_key_ring(STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The key ring: per stage a tuple of the four latent groups ``[BLOCK_N, 128]`` and the rope part
+        ``[BLOCK_N, 64]``, each its own allocation. Triton inserts a CTA barrier between two accesses to one allocation
+        when one of them writes and no barrier separates them (it does not tell apart the buffers of a ring indexed at
+        run time): with one allocation per stage and group, the copies into the next stage and the products over this
+        one need none."""
+        K_SL: gl.constexpr = mma_v2_keys_layout()
+        ring = ()
+        for _ in gl.static_range(STAGES):
+            stage = (gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
+                     gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
+                     gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
+                     gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
+                     gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], K_SL))
+            ring = ring + (stage,)  # noqa: RUF005 (Gluon's frontend takes no starred expressions)
+        return ring
+
+    @gluon.jit
     def _mma_v2_slots(p_idx, n0, n_keys, BLOCK_N: gl.constexpr, L_ROW: gl.constexpr):
         """The slots of the tile at ``n0`` (``-1`` from ``n_keys`` on) in the layout of the copies' rows."""
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_ROW))
         return gl.load(p_idx + o_n, mask=o_n < n_keys, other=-1)
 
     @gluon.jit
-    def _mma_v2_issue(kv_ptr, b_slot, n_slots, PAGE: gl.constexpr, stride_page, stride_row, k_ring, kr_ring, st,
-                      L_ROW: gl.constexpr):
-        """``cp.async`` of the bf16 rows of ``b_slot`` (row ``slot % PAGE`` of page ``slot // PAGE``) into ring buffer
-        ``st`` (four latent groups and the rope part; invalid slots zero-filled, never dereferenced); one commit
-        group."""
+    def _mma_v2_issue(kv_ptr, b_slot, n_slots, PAGE: gl.constexpr, stride_page, stride_row, buf, L_ROW: gl.constexpr):
+        """``cp.async`` of the bf16 rows of ``b_slot`` (row ``slot % PAGE`` of page ``slot // PAGE``) into ``buf``, one
+        stage of :func:`mma_v2_key_ring` (four latent groups and the rope part; invalid slots zero-filled, never
+        dereferenced); one commit group."""
         m_n = (b_slot >= 0) & (b_slot < n_slots)
         b_s = gl.where(m_n, b_slot, 0).to(gl.uint32)  # unsigned: no sign fix-ups in the division
         o_row = (b_s // PAGE).to(gl.int64) * stride_page + (b_s % PAGE).to(gl.int64) * stride_row
@@ -183,9 +202,9 @@ if gluon is not None:
         m_row = gl.expand_dims(m_n, 1)
         o_c = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, L_ROW)), 0)
         for g in gl.static_range(4):
-            cp_async(k_ring.index(st * 4 + g), p_row + g * 128 + o_c, mask=m_row)
+            cp_async(buf[g], p_row + g * 128 + o_c, mask=m_row)
         o_cr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROW)), 0)
-        cp_async(kr_ring.index(st), p_row + 512 + o_cr, mask=m_row)
+        cp_async(buf[4], p_row + 512 + o_cr, mask=m_row)
         async_copy.commit_group()
 
     @gluon.jit
@@ -239,21 +258,20 @@ if gluon is not None:
         n_tiles = gl.cdiv(gl.maximum(n_keys, 0), BLOCK_N)
         p_idx = idx_ptr + i_r * stride_idx_row + n_start
 
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, BLOCK_N, 128], K_SL)
-        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], K_SL)
+        ring = mma_v2_key_ring(STAGES, BLOCK_N)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], K_SL)
         s_smem = mma_v2_scores_smem(BLOCK_H, BLOCK_N)
 
         for t in gl.static_range(STAGES - 1):
             b_slot = _mma_v2_slots(p_idx, t * BLOCK_N, n_keys, BLOCK_N, L_ROW)
-            _mma_v2_issue(kv_ptr, b_slot, n_slots, PAGE, stride_page, stride_row, k_smem, kr_smem, t, L_ROW)
+            _mma_v2_issue(kv_ptr, b_slot, n_slots, PAGE, stride_page, stride_row, ring[t], L_ROW)
         # the slots of the next tile to copy are read an iteration ahead
         b_slot = _mma_v2_slots(p_idx, (STAGES - 1) * BLOCK_N, n_keys, BLOCK_N, L_ROW)
 
         # ---- q: the latent part into the registers of the A operand, through the last ring buffer (its first copy
         # is issued in the loop); the rope part stays in shared memory
         b_q0, b_q1, b_q2, b_q3 = mma_v2_load_q(q_ptr + i_r * stride_q_row, stride_q_head, i_h, h_q,
-                                               k_smem.index((STAGES - 1) * 4), qr_smem, BLOCK_H, NUM_WARPS, OP_A)
+                                               ring[STAGES - 1][0], qr_smem, BLOCK_H, NUM_WARPS, OP_A)
 
         b_m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW_P)
         b_l = gl.zeros([BLOCK_H], gl.float32, layout=ROW_P)
@@ -264,21 +282,25 @@ if gluon is not None:
         b_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
         o_n = gl.arange(0, BLOCK_N, layout=COL)
         b_idx = gl.load(p_idx + o_n, mask=o_n < n_keys, other=-1)
-        for j in range(n_tiles):
-            st = j % STAGES
-            m_n = (b_idx >= 0) & (b_idx < n_slots)  # slots past the split were read as -1
-            o_n = o_n + BLOCK_N
-            b_idx = gl.load(p_idx + o_n, mask=o_n < n_keys, other=-1)
-            async_copy.wait_group(STAGES - 2)
-            # tile j landed for every thread; every warp is done with tile j - 1: its buffer and scores
-            cta_barrier()
-            jn = j + STAGES - 1
-            _mma_v2_issue(kv_ptr, b_slot, n_slots, PAGE, stride_page, stride_row, k_smem, kr_smem, jn % STAGES, L_ROW)
-            b_slot = _mma_v2_slots(p_idx, (jn + 1) * BLOCK_N, n_keys, BLOCK_N, L_ROW)
-            b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
-                b_q0, b_q1, b_q2, b_q3, k_smem.index(st * 4), k_smem.index(st * 4 + 1), k_smem.index(st * 4 + 2),
-                k_smem.index(st * 4 + 3), qr_smem, kr_smem.index(st), s_smem, m_n, b_m, b_l,
-                b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA)
+        # STAGES tiles an iteration, so that each tile's ring buffer is known when compiling (see mma_v2_key_ring)
+        for j0 in range(0, n_tiles, STAGES):
+            for st in gl.static_range(STAGES):
+                j = j0 + st
+                if j < n_tiles:
+                    m_n = (b_idx >= 0) & (b_idx < n_slots)  # slots past the split were read as -1
+                    o_n = o_n + BLOCK_N
+                    b_idx = gl.load(p_idx + o_n, mask=o_n < n_keys, other=-1)
+                    async_copy.wait_group(STAGES - 2)
+                    # tile j landed for every thread; every warp is done with tile j - 1: its buffer and scores
+                    cta_barrier()
+                    jn = j + STAGES - 1
+                    _mma_v2_issue(kv_ptr, b_slot, n_slots, PAGE, stride_page, stride_row,
+                                  ring[(st + STAGES - 1) % STAGES], L_ROW)
+                    b_slot = _mma_v2_slots(p_idx, (jn + 1) * BLOCK_N, n_keys, BLOCK_N, L_ROW)
+                    buf = ring[st]
+                    b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
+                        b_q0, b_q1, b_q2, b_q3, buf[0], buf[1], buf[2], buf[3], qr_smem, buf[4], s_smem, m_n, b_m, b_l,
+                        b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA)
         async_copy.wait_group(0)
 
         # ---- epilogue. One split: natural-log lse (+inf without keys), max_logits, the sink's share, bf16 out.
@@ -351,9 +373,12 @@ def flash_mla_sparse_fwd_mma_v2(
     if s_q == 0:
         return out, max_logits, lse
     kv2, idx = prefill_rows(kv, indices)
+    # one split of whole tiles: never 1, so that Triton does not compile a trip count of one tile into the kernel for
+    # a one-key list (Triton 3.6 folds the loop that takes STAGES tiles an iteration into a form its lowering rejects)
+    keys_per_split = triton.cdiv(topk, BLOCK_N) * BLOCK_N
     cached_launcher(_sparse_mla_mma_v2_kernel)[(s_q * triton.cdiv(h_q, BLOCK_H), 1)](
         q, kv2, idx, attn_sink, topk_length, out, lse, max_logits,
-        sm_scale * LOG2E, h_q, topk, s_kv, topk, 1,
+        sm_scale * LOG2E, h_q, topk, s_kv, keys_per_split, 1,
         q.stride(0), q.stride(1), idx.stride(0), kv2.stride(0), 0,
         out.stride(0), out.stride(0), 0, out.stride(1),
         lse.stride(0), 0, 0, lse.stride(1),
