@@ -132,10 +132,10 @@ _MMA_V2_BARRIERS = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_mma_v2_tiles_barriers_per_tile_on_sm120():
-    """Per 32-key tile (68 MMAs a warp) the bf16 mma.sync kernel (prefill and bf16 decode) passes two CTA barriers
-    (the ring's and the score exchange's) and the fp8 decode at most four (and its conversion's): Triton inserts one
-    between two accesses to one shared allocation that it cannot tell apart, which gave six and seven with Triton
-    3.6 / 3.8 when the ring's stages and latent groups shared allocations."""
+    """Per 32-key tile (68 MMAs a warp) the bf16 mma.sync kernel (prefill and bf16 decode) passes two CTA barriers,
+    the ring's and the score exchange's; the fp8 decode, which also waits for its conversion, three, and four with
+    Triton 3.6 / 3.8. Triton inserts a barrier between two accesses to one shared allocation that it cannot tell
+    apart: six and seven with Triton 3.6 / 3.8 when the ring's stages and latent groups shared allocations."""
     got = run_aot_script(_MMA_V2_BARRIERS, timeout=600)
     assert set(got) == {"prefill_mma_v2", "decode_bf16_mma_v2", "decode_mma_v2"}, sorted(got)
     per_tile = {}
