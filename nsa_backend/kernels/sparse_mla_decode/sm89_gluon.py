@@ -52,6 +52,7 @@ if gluon_importable():
     from nsa_backend.kernels.sparse_mla_prefill.sm80_gluon import (
         mma_v2_attend_tile,
         mma_v2_keys_layout,
+        mma_v2_latent_smem,
         mma_v2_load_q,
         mma_v2_scores_smem,
         mma_v2_store,
@@ -184,12 +185,8 @@ if gluon is not None:
         lat_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
         sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, 4], RAW)
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], K_SL)
-        # one allocation per latent group: Triton puts a CTA barrier between two accesses to one allocation when one
-        # writes (see the prefill's mma_v2_key_ring), which gave three between the four groups' conversions
-        k0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL)
-        k1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL)
-        k2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL)
-        k3 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL)
+        # the converted keys, one allocation per latent group: no barrier between the four groups' stores
+        keys = mma_v2_latent_smem(BLOCK_N)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], K_SL)
         s_smem = mma_v2_scores_smem(BLOCK_H, BLOCK_N)
 
@@ -202,7 +199,7 @@ if gluon is not None:
 
         # ---- q: the latent part into the registers of the A operand (heads past h_q zero), through the first key
         # buffer; the rope part stays in shared memory (16 registers fewer, and the score MMAs then interleave)
-        b_q0, b_q1, b_q2, b_q3 = mma_v2_load_q(q_ptr + i_r * stride_q_row, stride_q_head, i_h, h_q, k0,
+        b_q0, b_q1, b_q2, b_q3 = mma_v2_load_q(q_ptr + i_r * stride_q_row, stride_q_head, i_h, h_q, keys[0],
                                                qr_smem, BLOCK_H, NUM_WARPS, OP_A)
 
         # running max (base 2) and sum of every head, in the layout of the rows of P
@@ -229,13 +226,11 @@ if gluon is not None:
             b_slot = _decode_mma_v2_slots(p_idx, n_start + (jn + 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
             lat = lat_smem.index(st)
             sc = sc_smem.index(st)
-            _decode_mma_v2_convert(lat, sc, 0, k0, POW2_SCALES, FP8_NATIVE, L_DQ)
-            _decode_mma_v2_convert(lat, sc, 1, k1, POW2_SCALES, FP8_NATIVE, L_DQ)
-            _decode_mma_v2_convert(lat, sc, 2, k2, POW2_SCALES, FP8_NATIVE, L_DQ)
-            _decode_mma_v2_convert(lat, sc, 3, k3, POW2_SCALES, FP8_NATIVE, L_DQ)
+            for g in gl.static_range(4):
+                _decode_mma_v2_convert(lat, sc, g, keys[g], POW2_SCALES, FP8_NATIVE, L_DQ)
             cta_barrier()
             b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
-                b_q0, b_q1, b_q2, b_q3, k0, k1, k2, k3, qr_smem,
+                b_q0, b_q1, b_q2, b_q3, keys[0], keys[1], keys[2], keys[3], qr_smem,
                 rope_smem.index(st), s_smem, m_n, b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA)
         async_copy.wait_group(0)
         b_m = gl.convert_layout(b_m, ROW)

@@ -167,21 +167,28 @@ if gluon is not None:
         return b_m_new, b_l, b_acc0, b_acc1, b_acc2, b_acc3
 
     @gluon.jit
+    def mma_v2_latent_smem(BLOCK_N: gl.constexpr):
+        """One tile's bf16 latent keys: the four groups ``[BLOCK_N, 128]``, each its own allocation. Triton inserts a
+        CTA barrier between two accesses to one allocation when one of them writes and no barrier separates them, and
+        does not tell apart the parts of one allocation (Triton 3.6 / 3.8 not even at indices known when compiling):
+        with one allocation a group, the four groups' copies or stores need none between them."""
+        K_SL: gl.constexpr = mma_v2_keys_layout()
+        return (gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
+                gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
+                gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
+                gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL))
+
+    @gluon.jit
     def mma_v2_key_ring(STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The key ring: per stage a tuple of the four latent groups ``[BLOCK_N, 128]`` and the rope part
-        ``[BLOCK_N, 64]``, each its own allocation. Triton inserts a CTA barrier between two accesses to one allocation
-        when one of them writes and no barrier separates them (it does not tell apart the buffers of a ring indexed at
-        run time): with one allocation per stage and group, the copies into the next stage and the products over this
-        one need none."""
+        """The key ring: per stage the four latent groups (:func:`mma_v2_latent_smem`) and the rope part
+        ``[BLOCK_N, 64]``, each its own allocation, so that the copies into the next stage and the products over this
+        one need no barrier between them."""
         K_SL: gl.constexpr = mma_v2_keys_layout()
         ring = ()
         for _ in gl.static_range(STAGES):
-            stage = (gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
-                     gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
-                     gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
-                     gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], K_SL),
-                     gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], K_SL))
-            ring = ring + (stage,)  # noqa: RUF005 (Gluon's frontend takes no starred expressions)
+            latent = mma_v2_latent_smem(BLOCK_N)
+            rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], K_SL)
+            ring = ring + (latent + (rope,),)  # noqa: RUF005 (Gluon's frontend takes no starred expressions)
         return ring
 
     @gluon.jit
