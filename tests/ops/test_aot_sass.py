@@ -146,6 +146,41 @@ def test_mma_v2_tiles_barriers_per_tile_on_sm120():
     assert per_tile["decode_mma_v2"] <= 4, per_tile
 
 
+# The mma.sync Gluon kernels on sm_120, one build of each kind: the warp votes, and the runs of FMULs that open right
+# after a predicated branch (the lazy rescale's skippable products), with their lengths.
+_MMA_V2_RESCALE = textwrap.dedent("""
+    import json, re
+    from nsa_backend.kernels.aot_registry import sparse_mla_jobs
+    from nsa_backend.kernels.aot_sass import disassemble
+    out = {}
+    for job in sparse_mla_jobs(120):
+        if job.kind.endswith("mma_v2") and job.kind not in out:
+            ops = [(m.group(1) or "", m.group(2)) for m in re.finditer(
+                r"^\\s*/\\*[0-9a-f]+\\*/\\s+(@!?U?P[T0-9]+\\s+)?([A-Z][A-Z0-9_.]*)", disassemble(job.cubin()), re.M)]
+            runs = []
+            for i, (pred, op) in enumerate(ops[:-1]):
+                if pred and op == "BRA" and ops[i + 1][1].startswith("FMUL"):
+                    n = 0
+                    while ops[i + 1 + n][1].startswith("FMUL"):
+                        n += 1
+                    runs.append(n)
+            out[job.kind] = dict(votes=sum(op.startswith("VOTE") for _, op in ops), skippable=runs)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_mma_v2_lazy_rescale_branches_on_sm120():
+    """The fp8 decode rescales ``O`` lazily (``LAZY_RESCALE``): one warp vote per tile and four predicated branches,
+    each around one accumulator's 16 products a thread. The bf16 kernel (prefill and bf16 decode) rescales every tile:
+    no vote, no branch around its products."""
+    got = run_aot_script(_MMA_V2_RESCALE, timeout=600)
+    assert set(got) == {"prefill_mma_v2", "decode_bf16_mma_v2", "decode_mma_v2"}, sorted(got)
+    assert got["decode_mma_v2"]["votes"] == 1 and got["decode_mma_v2"]["skippable"] == [16] * 4, got
+    for kind in ("prefill_mma_v2", "decode_bf16_mma_v2"):
+        assert got[kind]["votes"] == 0 and got[kind]["skippable"] == [], (kind, got[kind])
+
+
 # The shipped fp8 decode tile with the most heads whose build sets the flag named by argv[1] (a constexpr of the
 # kernel) on sm_<argv[2]> (default 120), compiled as shipped ("on") and with the flag off ("off"): its hot loop's
 # instruction mix, spill and shared memory.

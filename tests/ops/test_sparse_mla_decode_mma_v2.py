@@ -11,8 +11,9 @@ proxy runs it): a 300-case seeded fuzz of the kernel against the fp32 reference,
 the integer decoding of sm_80 / 86 (forced arch), which gives bitwise the same outputs (1..128 heads and counts that
 are not multiples of the head block, s_q 1..4, invalid slots, both scale formats and the power-of-two
 conversion, attn_sink, topk_length, spaced pages, pages of 32 and 64 slots, one and several splits, two and
-three ring buffers), rows without a valid key, CUDA-graph capture, and the route of the decode launcher under
-each arch it serves (forced).
+three ring buffers), rows without a valid key, scores that rise by just under and just over the softmax's rescale
+threshold from one tile to the next, CUDA-graph capture, and the route of the decode launcher under each arch it
+serves (forced).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import re
 import pytest
 import torch
 
+from nsa_backend import reference as ref
 from nsa_backend.kernels._arch import device_arch
 from tests.ops._cuda_graph import capture
 from tests.ops._gluon import gluon_available
@@ -266,6 +268,51 @@ def test_decode_mma_v2_empty_rows_gpu():
         _run(a, f"empty rows {kw}", **kw)
         out, lse = sparse_mla_decode_mma_v2(**a, **kw)
         assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
+
+
+# Per 32-key tile, the largest score (base 2, for a head of scale 1): the reference of the softmax's exponentials moves
+# in tile 0, stays at 0 through 7.5 (P up to 2^7.5), moves to 8.5, stays through 16.0 (7.5 above it), moves to 30.
+THRESHOLD_TILE_MAX = (0.0, 7.5, 8.5, 16.0, 30.0)
+
+
+def threshold_case(h_q: int, scale_format: str, block_n: int) -> dict:
+    """Three query rows over keys whose scores rise by just under and just over the rescale threshold (8, base 2)
+    from one tile to the next (``THRESHOLD_TILE_MAX``). The scores come from the first rope dimension only (stored
+    as bf16 in the cache): the key's is its base-2 score, each head's its scale, 0.5 to 1.25, so that the heads of
+    one warp differ. Row 0 lists the keys in that order, row 1 in reverse (the max in the first tile), row 2 at
+    random."""
+    n = len(THRESHOLD_TILE_MAX) * block_n
+    g = torch.Generator().manual_seed(5)
+    tile_max = torch.tensor(THRESHOLD_TILE_MAX).repeat_interleave(block_n)
+    score2 = tile_max - torch.rand(n, generator=g) * 6.0
+    score2[::block_n] = tile_max[::block_n]
+    sm_scale = 576**-0.5
+    kv = torch.randn(n, 576, generator=g)
+    kv[:, 512:] = 0.0
+    kv[:, 512] = score2 / (sm_scale * 1.4426950408889634)
+    page = 32
+    rows = ref.pack_fp8_ds_mla(kv.bfloat16(), scale_format).view(n // page, page, 656)
+    q = torch.zeros(3, 1, h_q, 576)
+    q[..., 512] = 0.5 + 0.75 * torch.arange(h_q) / max(h_q - 1, 1)
+    order = torch.arange(n)
+    idx = torch.stack([order, order.flip(0), torch.randperm(n, generator=g)]).view(3, 1, n).to(torch.int32)
+    args = dict(q=q.bfloat16(), kv_cache=rows, indices=idx, sm_scale=sm_scale, d_v=512, kv_format="fp8_ds_mla",
+                attn_sink=None, topk_length=None)
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("h_q", [32, 128])
+def test_decode_mma_v2_rescale_threshold_gpu(h_q):
+    """The reference of the exponentials (``LAZY_RESCALE`` of ``mma_v2_attend_tile``) kept and moved as the scores
+    rise by just under and just over the threshold (``threshold_case``): ``out`` and ``lse`` match the reference,
+    in one split and in two, with both scale formats."""
+    from nsa_backend.kernels.sparse_mla_decode.sm89_gluon import BLOCK_N
+
+    for scale_format, kw in (("arbitrary", {"num_splits": 1}), ("arbitrary", {"num_splits": 2}),
+                             ("pow2", {"num_splits": 1, "kv_scale_format": "pow2"})):
+        _run(threshold_case(h_q, scale_format, BLOCK_N), f"threshold h_q {h_q} {scale_format} {kw}", **kw)
 
 
 @pytest.mark.gpu

@@ -231,7 +231,8 @@ if gluon is not None:
             cta_barrier()
             b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
                 b_q0, b_q1, b_q2, b_q3, keys[0], keys[1], keys[2], keys[3], qr_smem,
-                rope_smem.index(st), s_smem, m_n, b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA)
+                rope_smem.index(st), s_smem, m_n, b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA,
+                LAZY_RESCALE=True)
         async_copy.wait_group(0)
         b_m = gl.convert_layout(b_m, ROW)
         b_l = gl.convert_layout(b_l, ROW)

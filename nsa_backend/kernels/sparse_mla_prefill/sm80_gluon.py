@@ -57,6 +57,28 @@ BLOCK_H = 32
 BLOCK_N = 32
 NUM_WARPS = 8
 STAGES = 2
+# With ``LAZY_RESCALE`` (:func:`mma_v2_attend_tile`), a head's reference max for the exponentials moves only when its
+# scores exceed it by more than this (base 2): ``P`` stays below 256 and ``O``'s rescale is skipped in most tiles.
+RESCALE_THRESHOLD = triton.language.constexpr(8.0)
+# ``O``'s values a thread holds per ``[BLOCK_H, 128]`` accumulator (eight warps): one inline assembly block takes them.
+_RESCALE_PACK = triton.language.constexpr(BLOCK_H * 128 // (NUM_WARPS * 32))
+
+
+def _rescale_ptx(n: int) -> tuple[str, str]:
+    """Inline PTX and constraints of ``_mma_v2_rescale`` over ``n`` values: a uniform branch around the ``n``
+    products, the outputs tied to ``O``'s inputs so that the skipped branch leaves them as they are."""
+    products = " ".join(f"mul.f32 ${i}, ${n + i}, ${2 * n + i};" for i in range(n))
+    ptx = f"{{ .reg .pred p; setp.eq.b32 p, ${3 * n}, 0; @p bra.uni SKIP; {products} SKIP: }}"
+    constraints = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * n + ["r"] * n)
+    return ptx, constraints
+
+
+_RESCALE_PTX = triton.language.constexpr(_rescale_ptx(_RESCALE_PACK.value)[0])
+_RESCALE_CONSTRAINTS = triton.language.constexpr(_rescale_ptx(_RESCALE_PACK.value)[1])
+# For each thread's pair of values: 1 in every lane of the warp if any lane's pair holds a non-zero, else 0.
+_WARP_ANY_PTX = triton.language.constexpr(
+    "{ .reg .pred p; or.b32 $0, $2, $3; setp.ne.b32 p, $0, 0; vote.sync.any.pred p, p, 0xffffffff; "
+    "selp.b32 $0, 1, 0, p; mov.b32 $1, $0; }")
 
 
 if gluon is not None:
@@ -116,7 +138,8 @@ if gluon is not None:
 
     @gluon.jit
     def mma_v2_attend_tile(b_q0, b_q1, b_q2, b_q3, k0, k1, k2, k3, qr_smem, kr, s_smem, m_n, b_m, b_l,
-                           b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA: gl.constexpr):
+                           b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA: gl.constexpr,
+                           LAZY_RESCALE: gl.constexpr = False):
         """One key tile of the online softmax for ``[32, 576]`` heads of ``q`` on a ``2 x 4`` mma.sync grid.
 
         ``b_q0..3``: the latent part of ``q`` in the ``A`` operand's registers, 128 dims each; ``k0..3``: the
@@ -125,6 +148,11 @@ if gluon is not None:
         valid keys (``COL`` of ``MMA``); ``b_m`` / ``b_l``: running max (base 2) and sum in the row layout of the
         ``A`` operand; ``b_acc0..3``: ``O`` in ``MMA``. Returns the updated ``b_m, b_l, b_acc0..3``. ``P`` and
         ``P V`` are taken in two halves of the keys (``BLOCK_N / 2`` each, at least 16: the MMA's ``k``).
+
+        ``LAZY_RESCALE``: ``b_m`` is the reference of the exponentials rather than the max. It moves to the tile's max
+        only where that exceeds it by more than ``RESCALE_THRESHOLD``, and a warp whose sixteen heads all keep theirs
+        skips ``O``'s rescale (a uniform branch). It pays where the tile is short of issue slots (the fp8 decode's
+        conversion); in the bf16 kernel the rescale's products fill stalls, and the branches cost more than they save.
         """
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -146,7 +174,13 @@ if gluon is not None:
         # idle instructions between such a pair), and the halves' max and sum still take one reduction each
         b_sa0 = s_smem.slice(0, HALF, dim=1).load(OP_A)
         b_sa1 = s_smem.slice(HALF, HALF, dim=1).load(OP_A)
-        b_m_new = gl.maximum(b_m, gl.max(gl.maximum(b_sa0, b_sa1), axis=1))
+        b_tmax = gl.max(gl.maximum(b_sa0, b_sa1), axis=1)
+        if LAZY_RESCALE:
+            # from -inf the reference moves at the head's first valid key
+            b_move = b_tmax > b_m + RESCALE_THRESHOLD
+            b_m_new = gl.where(b_move, b_tmax, b_m)
+        else:
+            b_m_new = gl.maximum(b_m, b_tmax)
         b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_p0 = gl.exp2(b_sa0 - gl.expand_dims(b_m_use, 1))
         b_p1 = gl.exp2(b_sa1 - gl.expand_dims(b_m_use, 1))
@@ -154,17 +188,40 @@ if gluon is not None:
         b_l = b_l * b_alpha + gl.sum(b_p0 + b_p1, axis=1)
         b_pa0 = b_p0.to(gl.bfloat16)
         b_pa1 = b_p1.to(gl.bfloat16)
+        b_any = 1  # every warp rescales O
+        if LAZY_RESCALE:
+            # whether any head of the warp moved its reference: the same in every lane, so the rescale is a uniform
+            # branch (b_alpha is 1 for a head that keeps its reference, 0 before its first valid key, where O is 0)
+            b_any = gl.inline_asm_elementwise(_WARP_ANY_PTX, "=r,=r,r,r", [b_move.to(gl.int32)], dtype=gl.int32,
+                                              is_pure=True, pack=2)
         b_alpha = gl.expand_dims(gl.convert_layout(b_alpha, ROW), 1)
+        if LAZY_RESCALE:
+            b_any = gl.expand_dims(gl.convert_layout(b_any, ROW), 1)
         # O [BLOCK_H, 512] += P V, V = the latent keys: every group's first half, then every group's second
-        b_acc0 = mma_v2(b_pa0, k0.slice(0, HALF, dim=0).load(OP_B), b_acc0 * b_alpha)
-        b_acc1 = mma_v2(b_pa0, k1.slice(0, HALF, dim=0).load(OP_B), b_acc1 * b_alpha)
-        b_acc2 = mma_v2(b_pa0, k2.slice(0, HALF, dim=0).load(OP_B), b_acc2 * b_alpha)
-        b_acc3 = mma_v2(b_pa0, k3.slice(0, HALF, dim=0).load(OP_B), b_acc3 * b_alpha)
+        b_acc0 = mma_v2(b_pa0, k0.slice(0, HALF, dim=0).load(OP_B),
+                        _mma_v2_rescale(b_acc0, b_alpha, b_any, LAZY_RESCALE))
+        b_acc1 = mma_v2(b_pa0, k1.slice(0, HALF, dim=0).load(OP_B),
+                        _mma_v2_rescale(b_acc1, b_alpha, b_any, LAZY_RESCALE))
+        b_acc2 = mma_v2(b_pa0, k2.slice(0, HALF, dim=0).load(OP_B),
+                        _mma_v2_rescale(b_acc2, b_alpha, b_any, LAZY_RESCALE))
+        b_acc3 = mma_v2(b_pa0, k3.slice(0, HALF, dim=0).load(OP_B),
+                        _mma_v2_rescale(b_acc3, b_alpha, b_any, LAZY_RESCALE))
         b_acc0 = mma_v2(b_pa1, k0.slice(HALF, HALF, dim=0).load(OP_B), b_acc0)
         b_acc1 = mma_v2(b_pa1, k1.slice(HALF, HALF, dim=0).load(OP_B), b_acc1)
         b_acc2 = mma_v2(b_pa1, k2.slice(HALF, HALF, dim=0).load(OP_B), b_acc2)
         b_acc3 = mma_v2(b_pa1, k3.slice(HALF, HALF, dim=0).load(OP_B), b_acc3)
         return b_m_new, b_l, b_acc0, b_acc1, b_acc2, b_acc3
+
+    @gluon.jit
+    def _mma_v2_rescale(b_acc, b_alpha, b_any, LAZY_RESCALE: gl.constexpr):
+        """``b_acc * b_alpha`` over one ``[BLOCK_H, 128]`` accumulator of ``O`` (``b_alpha`` broadcast over the
+        columns). ``LAZY_RESCALE``: skipped where the warp's ``b_any`` is 0 (the same in every lane of a warp)."""
+        if LAZY_RESCALE:
+            b_acc = gl.inline_asm_elementwise(_RESCALE_PTX, _RESCALE_CONSTRAINTS, [b_acc, b_alpha, b_any],
+                                              dtype=gl.float32, is_pure=True, pack=_RESCALE_PACK)
+        else:
+            b_acc = b_acc * b_alpha
+        return b_acc
 
     @gluon.jit
     def mma_v2_latent_smem(BLOCK_N: gl.constexpr):
