@@ -275,7 +275,7 @@ def test_decode_mma_v2_empty_rows_gpu():
 THRESHOLD_TILE_MAX = (0.0, 7.5, 8.5, 16.0, 30.0)
 
 
-def threshold_case(h_q: int, scale_format: str, block_n: int) -> dict:
+def threshold_case(h_q: int, scale_format: str, block_n: int, device: str = "cuda") -> dict:
     """Three query rows over keys whose scores rise by just under and just over the rescale threshold (8, base 2)
     from one tile to the next (``THRESHOLD_TILE_MAX``). The scores come from the first rope dimension only (stored
     as bf16 in the cache): the key's is its base-2 score, each head's its scale, 0.5 to 1.25, so that the heads of
@@ -298,7 +298,7 @@ def threshold_case(h_q: int, scale_format: str, block_n: int) -> dict:
     idx = torch.stack([order, order.flip(0), torch.randperm(n, generator=g)]).view(3, 1, n).to(torch.int32)
     args = dict(q=q.bfloat16(), kv_cache=rows, indices=idx, sm_scale=sm_scale, d_v=512, kv_format="fp8_ds_mla",
                 attn_sink=None, topk_length=None)
-    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
 @pytest.mark.gpu
