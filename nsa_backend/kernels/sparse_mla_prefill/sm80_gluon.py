@@ -73,8 +73,7 @@ def _rescale_ptx(n: int) -> tuple[str, str]:
     return ptx, constraints
 
 
-_RESCALE_PTX = triton.language.constexpr(_rescale_ptx(_RESCALE_PACK.value)[0])
-_RESCALE_CONSTRAINTS = triton.language.constexpr(_rescale_ptx(_RESCALE_PACK.value)[1])
+_RESCALE_PTX, _RESCALE_CONSTRAINTS = (triton.language.constexpr(x) for x in _rescale_ptx(_RESCALE_PACK.value))
 # For each thread's pair of values: 1 in every lane of the warp if any lane's pair holds a non-zero, else 0.
 _WARP_ANY_PTX = triton.language.constexpr(
     "{ .reg .pred p; or.b32 $0, $2, $3; setp.ne.b32 p, $0, 0; vote.sync.any.pred p, p, 0xffffffff; "
@@ -188,14 +187,13 @@ if gluon is not None:
         b_l = b_l * b_alpha + gl.sum(b_p0 + b_p1, axis=1)
         b_pa0 = b_p0.to(gl.bfloat16)
         b_pa1 = b_p1.to(gl.bfloat16)
+        b_alpha = gl.expand_dims(gl.convert_layout(b_alpha, ROW), 1)
         b_any = 1  # every warp rescales O
         if LAZY_RESCALE:
             # whether any head of the warp moved its reference: the same in every lane, so the rescale is a uniform
             # branch (b_alpha is 1 for a head that keeps its reference, 0 before its first valid key, where O is 0)
             b_any = gl.inline_asm_elementwise(_WARP_ANY_PTX, "=r,=r,r,r", [b_move.to(gl.int32)], dtype=gl.int32,
                                               is_pure=True, pack=2)
-        b_alpha = gl.expand_dims(gl.convert_layout(b_alpha, ROW), 1)
-        if LAZY_RESCALE:
             b_any = gl.expand_dims(gl.convert_layout(b_any, ROW), 1)
         # O [BLOCK_H, 512] += P V, V = the latent keys: every group's first half, then every group's second
         b_acc0 = mma_v2(b_pa0, k0.slice(0, HALF, dim=0).load(OP_B),
