@@ -43,15 +43,17 @@ _FP8_DECODE = ("the 32-head fp8 decode tile takes 64 keys per pass: 460-556 B of
 _MHC = "the 128-wide bf16x2 / bf16x3 GEMM tiles at 4 warps spill a few bytes"
 _V4 = ("the 32-head DeepSeek-V4 decode tile over 8 warps spills 12 B on sm_120 (none on sm_86) and ran 1.65x faster "
        "under the sm_120 proxy than the 16-head tile, which spills nothing")
-_MMA_V2_TILE = ("the Gluon mma.sync tile holds q's latent part and a [32, 512] accumulator in its eight warps at 255 "
-                "registers. The bf16 kernel (prefill and bf16 decode) takes two 32-key tiles an iteration, one per "
-                "ring stage, so that Triton puts no CTA barrier between one stage's copies and the other's products; "
-                "CUDA 13's ptxas (Triton 3.8 / 3.9) then keeps five values fixed for the whole loop in local memory "
-                "on sm_120 / 121 (20 B, stored before the loop, nine loads per two tiles). The fp8 decode, whose lazy "
-                "rescale branches around O's products, keeps 16 B with Triton 3.9 (three values fixed for the loop, "
-                "one load each a tile) and none with 3.8. The sm_80 / 86 / 89 builds and the sm_120 and sm_90 builds "
-                "of Triton 3.6 spill nothing, and under the proxy the two-tile loop ran the prefill 1.07-1.08x and the "
-                "bf16 decode 1.06-1.07x faster, the lazy rescale the fp8 decode 1.01-1.06x with arbitrary scales")
+_MMA_V2_TILE = ("the Gluon mma.sync tile holds q's latent part and a [32, 512] accumulator in its eight warps at "
+                "255 registers. The bf16 kernel (prefill and bf16 decode) takes two 32-key tiles an iteration, one "
+                "per ring stage, so that Triton puts no CTA barrier between one stage's copies and the other's "
+                "products; CUDA 13's ptxas (Triton 3.8 / 3.9) then keeps values in local memory on sm_120 / 121: "
+                "with the rope's scores in their own accumulator 16 B / 12 B for the prefill / bf16 decode with "
+                "Triton 3.9 (seven / five loads per two tiles) and 28 B with 3.8 (thirteen), 20 B (nine) before. "
+                "The fp8 decode, whose lazy rescale branches around O's products, keeps 16 B with Triton 3.9 (three "
+                "values fixed for the loop, one load each a tile) and none with 3.8. The sm_80 / 86 / 89 builds and "
+                "the sm_120 and sm_90 builds of Triton 3.6 spill nothing, and under the proxy the two-tile loop ran "
+                "the prefill 1.07-1.08x and the bf16 decode 1.06-1.07x faster, the lazy rescale the fp8 decode "
+                "1.01-1.06x with arbitrary scales, the rope's own accumulator the prefill 1.01-1.02x")
 
 KNOWN_SPILLS: dict[tuple[str, str, int], str] = {
     **{("sparse_mla", "prefill", a): _SPARSE_MLA for a in (120, 121)},

@@ -181,6 +181,36 @@ def test_mma_v2_lazy_rescale_branches_on_sm120():
         assert got[kind]["votes"] == 0 and got[kind]["skippable"] == [], (kind, got[kind])
 
 
+
+# The mma.sync Gluon kernels on sm_120, one build of each kind: the longest run of MMAs in which each takes the one
+# before it (in issue order) as its accumulator, so that each waits for the last's result with nothing between them.
+_MMA_V2_CHAINS = textwrap.dedent("""
+    import json, re
+    from nsa_backend.kernels.aot_registry import sparse_mla_jobs
+    from nsa_backend.kernels.aot_sass import disassemble
+    out = {}
+    for job in sparse_mla_jobs(120):
+        if job.kind.endswith("mma_v2") and job.kind not in out:
+            longest = run = 0
+            last = None
+            for m in re.finditer(r"HMMA\\.\\S+\\s+(R\\d+),[^,]+,[^,]+,\\s*(R\\d+|RZ)", disassemble(job.cubin())):
+                run = run + 1 if m.group(2) == last else 1
+                longest, last = max(longest, run), m.group(1)
+            out[job.kind] = longest
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_mma_v2_score_chains_interleave_on_sm120():
+    """The bf16 kernel (prefill and bf16 decode) takes the rope part's scores in an accumulator of their own
+    (``ROPE_CHAIN``): its ``q K^T`` MMAs interleave, at most four in a row each waiting for the one before. With the
+    rope's MMAs added to the first latent group's, ptxas issued that group's and the rope's as one chain of 10-12
+    (Triton 3.6 / 3.8 / 3.9), as it still does in the fp8 decode, where ``ROPE_CHAIN`` measured no faster."""
+    got = run_aot_script(_MMA_V2_CHAINS, timeout=600)
+    assert set(got) == {"prefill_mma_v2", "decode_bf16_mma_v2", "decode_mma_v2"}, sorted(got)
+    assert got["prefill_mma_v2"] <= 4 and got["decode_bf16_mma_v2"] <= 4, got
+
 # The shipped fp8 decode tile with the most heads whose build sets the flag named by argv[1] (a constexpr of the
 # kernel) on sm_<argv[2]> (default 120), compiled as shipped ("on") and with the flag off ("off"): its hot loop's
 # instruction mix, spill and shared memory.

@@ -138,7 +138,7 @@ if gluon is not None:
     @gluon.jit
     def mma_v2_attend_tile(b_q0, b_q1, b_q2, b_q3, k0, k1, k2, k3, qr_smem, kr, s_smem, m_n, b_m, b_l,
                            b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA: gl.constexpr,
-                           LAZY_RESCALE: gl.constexpr = False):
+                           LAZY_RESCALE: gl.constexpr = False, ROPE_CHAIN: gl.constexpr = False):
         """One key tile of the online softmax for ``[32, 576]`` heads of ``q`` on a ``2 x 4`` mma.sync grid.
 
         ``b_q0..3``: the latent part of ``q`` in the ``A`` operand's registers, 128 dims each; ``k0..3``: the
@@ -152,19 +152,29 @@ if gluon is not None:
         only where that exceeds it by more than ``RESCALE_THRESHOLD``, and a warp whose sixteen heads all keep theirs
         skips ``O``'s rescale (a uniform branch). It pays where the tile is short of issue slots (the fp8 decode's
         conversion); in the bf16 kernel the rescale's products fill stalls, and the branches cost more than they save.
+
+        ``ROPE_CHAIN``: the rope part's scores in an accumulator of their own rather than added to the first latent
+        group's. Without it ptxas issues that group's and the rope's twelve MMAs as one dependent chain, an idle slot or
+        two after each, before it interleaves the other groups; with it the four groups interleave from the start. The
+        bf16 kernel, which stalls more than it issues, gains; in the fp8 decode it measured no faster.
         """
         OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         OP_B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         HALF: gl.constexpr = s_smem.shape[1] // 2
         # S: each warp its 16 heads x 8 keys, in four accumulators (one chain of 36 dependent MMAs would wait on
-        # each MMA's latency)
+        # each MMA's latency), and the rope part's four MMAs in a fifth (ROPE_CHAIN) or after the first group's
+        if ROPE_CHAIN:
+            b_sr = mma_v2(qr_smem.load(OP_A), kr.permute((1, 0)).load(OP_B), b_zero)
         b_s0 = mma_v2(b_q0, k0.permute((1, 0)).load(OP_B), b_zero)
         b_s1 = mma_v2(b_q1, k1.permute((1, 0)).load(OP_B), b_zero)
         b_s2 = mma_v2(b_q2, k2.permute((1, 0)).load(OP_B), b_zero)
         b_s3 = mma_v2(b_q3, k3.permute((1, 0)).load(OP_B), b_zero)
-        b_s0 = mma_v2(qr_smem.load(OP_A), kr.permute((1, 0)).load(OP_B), b_s0)
-        b_s = gl.where(gl.expand_dims(m_n, 0), ((b_s0 + b_s1) + (b_s2 + b_s3)) * qk_scale, float("-inf"))
+        if ROPE_CHAIN:
+            b_s = gl.where(gl.expand_dims(m_n, 0), ((b_s0 + b_s1) + (b_s2 + b_s3) + b_sr) * qk_scale, float("-inf"))
+        else:
+            b_s0 = mma_v2(qr_smem.load(OP_A), kr.permute((1, 0)).load(OP_B), b_s0)
+            b_s = gl.where(gl.expand_dims(m_n, 0), ((b_s0 + b_s1) + (b_s2 + b_s3)) * qk_scale, float("-inf"))
         # every warp of a head group reads the group's scores [16, BLOCK_N] back in the A operand's layout (one
         # barrier); the max, P and the sums then stay inside the warp
         s_smem.store(b_s)
@@ -362,7 +372,7 @@ if gluon is not None:
                     buf = ring[st]
                     b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
                         b_q0, b_q1, b_q2, b_q3, buf[0], buf[1], buf[2], buf[3], qr_smem, buf[4], s_smem, m_n, b_m, b_l,
-                        b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA)
+                        b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA, ROPE_CHAIN=True)
         async_copy.wait_group(0)
 
         # ---- epilogue. One split: natural-log lse (+inf without keys), max_logits, the sink's share, bf16 out.
