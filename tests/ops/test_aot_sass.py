@@ -181,9 +181,8 @@ def test_mma_v2_lazy_rescale_branches_on_sm120():
         assert got[kind]["votes"] == 0 and got[kind]["skippable"] == [], (kind, got[kind])
 
 
-
 # The mma.sync Gluon kernels on sm_120, one build of each kind: the longest run of MMAs in which each takes the one
-# before it (in issue order) as its accumulator, so that each waits for the last's result with nothing between them.
+# issued before it as its accumulator (each waits for the last's result, with no other MMA issued in between).
 _MMA_V2_CHAINS = textwrap.dedent("""
     import json, re
     from nsa_backend.kernels.aot_registry import sparse_mla_jobs
