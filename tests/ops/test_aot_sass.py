@@ -210,6 +210,7 @@ def test_mma_v2_score_chains_interleave_on_sm120():
     assert set(got) == {"prefill_mma_v2", "decode_bf16_mma_v2", "decode_mma_v2"}, sorted(got)
     assert got["prefill_mma_v2"] <= 4 and got["decode_bf16_mma_v2"] <= 4, got
 
+
 # The shipped fp8 decode tile with the most heads whose build sets the flag named by argv[1] (a constexpr of the
 # kernel) on sm_<argv[2]> (default 120), compiled as shipped ("on") and with the flag off ("off"): its hot loop's
 # instruction mix, spill and shared memory.
