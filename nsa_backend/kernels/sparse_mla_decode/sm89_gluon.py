@@ -25,8 +25,7 @@ gather the same keys), ``BLOCK_N = 32`` slots per tile, eight warps:
   fourth between a tile's copies and its conversion, which use two buffers of one ring allocation). The products
   and the softmax are ``mma_v2_attend_tile`` of ``sparse_mla_prefill/sm80_gluon.py``, which the bf16 prefill shares;
   here with its lazy rescale (``LAZY_RESCALE``): a head's reference for the exponentials moves only where a tile's
-  scores exceed it by more than 8 (base 2), and a warp whose heads all keep theirs skips ``O``'s products, issue
-  slots the conversion needs.
+  scores exceed it by more than 8 (base 2), and a warp whose heads all keep theirs skips ``O``'s products.
 
 Outputs follow ``_sparse_mla_fwd_kernel``: with one split the final bf16 ``out``, the natural-log ``lse``
 (``+inf`` for a row without a valid key) and ``attn_sink``; with several splits the normalised fp32
