@@ -18,13 +18,14 @@ MODE=${1:-ab}
 tree_with() {  # a copy of the tree with candidate $1 applied
   local t=/tmp/tree_$1
   rm -rf "$t" && mkdir -p "$t" && cp -r nsa_backend nsa_backend_cli integrations tests bench pyproject.toml "$t"/
-  patch -s -p1 -d "$t" < "$HERE/cand-$1.patch" && echo "$t"
+  if command -v patch > /dev/null; then patch -s -p1 -d "$t" < "$HERE/cand-$1.patch"
+  else (cd "$t" && git apply "$HERE/cand-$1.patch"); fi && echo "$t"
 }
 
 if [ "$MODE" = aot ]; then
   for c in tree $CANDS; do
     if [ "$c" = tree ]; then t=$PWD; else t=$(tree_with "$c"); fi
-    PYTHONPATH="$t${TRITON_PATH:+:$TRITON_PATH}" python "$HERE/aot.py" 120 86 2>/dev/null \
+    PYTHONPATH="$t${TRITON_PATH:+:$TRITON_PATH}" python "$HERE/aot.py" 120 86 2>> "$OUT/aot.log" \
       | sed "s/^{/{\"cand\": \"$c\", /" >> "$OUT/aot.jsonl"
   done
 fi
