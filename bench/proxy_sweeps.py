@@ -9,6 +9,7 @@ the proxied GPU would hold.
 
     DISABLE_MMA_V3=1 NSA_BACKEND_FORCE_ARCH=sm120 NSA_BACKEND_GLUON=0 \\
         python bench/proxy_sweeps.py paged v4 decode ragged --out bench/results/h100-proxy-sm120/sweeps
+    DISABLE_MMA_V3=1 NSA_BACKEND_FORCE_ARCH=sm120 python bench/proxy_sweeps.py splits --out <dir>  # the Gluon decodes
 
 - ``paged``: ``fp8_paged_mqa_logits`` at B 128, context 32K, H 64 / 32, next_n 1 / 2 (CUDA graph); the
   shipped tile also with smaller chunks (``resident`` 8 / 12 / 16) and with unmasked key loads.
@@ -19,6 +20,10 @@ the proxied GPU would hold.
 - ``decode``: the sparse MLA decode tile over the fp8_ds_mla cache at B 32 / 128, top-k 2048, h_q 128 / 64 /
   32 / 16 (tile shape, warps, stages; the top-k list split for one or two programs per SM; eager calls).
 - ``prefill``: the sparse MLA prefill tile at s_q 4096, 32K bf16 keys, top-k 2048, h_q 128 / 64 / 32 / 16.
+- ``splits``: the Gluon mma.sync decodes (fp8_ds_mla and bf16 caches), whose program fills an SM, at every split
+  count of the top-k list they allow (1-8 at top-k 2048) and at batch sizes where one program a row and head block
+  fills part of the last wave (B 40 / 64 / 80 / 100 / 128 / 200, s_q 1, h_q 16 / 32 / 64 / 128; CUDA graph);
+  ``planned`` marks the count the launcher plans (``one_wave_splits``) on this GPU's SMs.
 - ``mhc``: ``tf32_hc_prenorm_gemm`` at N 24, K 28672, M 1024-16384 (CUDA graph): the shipped route against
   the stacked bf16 parts of ``b`` with tiles whose programs per SM fit the 100 KiB an sm_120 SM holds,
   with and without programmatic dependent launch, and without it with each step's product waited for
@@ -54,15 +59,18 @@ from nsa_backend.configs.indexer import (
     ragged_config,
     shared_memory_budget,
 )
-from nsa_backend.configs.sparse_mla import AttnConfig, V4DecodeTile, decode_num_splits
+from nsa_backend.configs.sparse_mla import MAX_SPLITS, MIN_KEYS_PER_SPLIT, AttnConfig, V4DecodeTile, decode_num_splits
 from nsa_backend.kernels import indexer as kernels_indexer
 from nsa_backend.kernels import mhc as kernels_mhc
+from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._launch import cdiv
 from nsa_backend.kernels.aot import SHARED_MEMORY_PER_SM
+from nsa_backend.kernels.sparse_mla_decode import sm80_gluon as bf16_decode
+from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as fp8_decode
 from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
 from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
 
-SWEEPS = ("paged", "v4", "decode", "prefill", "ragged", "mhc")
+SWEEPS = ("paged", "v4", "decode", "prefill", "ragged", "mhc", "splits")
 
 
 def _measure(run: Callable[[], torch.Tensor], ref: torch.Tensor, graph: bool,
@@ -143,6 +151,36 @@ def sweep_decode() -> list[dict]:
                 ms, err = _measure(run, ref, graph=False, iters=60)
                 rows.append({"B": B, "h_q": h_q, "cfg": str(cfg), "programs_per_sm": per_sm, "splits": splits,
                              "ms": ms, "err": err})
+    return rows
+
+
+# Batch sizes of the split sweep: on 132 SMs (an H100) one program a row fills 0.30-0.97 of the last wave.
+SPLIT_SWEEP_BATCHES = (40, 64, 80, 100, 128, 200)
+
+
+def sweep_splits() -> list[dict]:
+    rows = []
+    dev = torch.device("cuda")
+    sms, topk = device_sms(dev), 2048
+    counts = range(1, min(MAX_SPLITS, topk // MIN_KEYS_PER_SPLIT) + 1)
+    for B in SPLIT_SWEEP_BATCHES:
+        a = bench_sparse_mla.decode_inputs(B, 1, 128, topk, dev)  # one cache a batch size; q's first h_q heads
+        num_blocks, page = a["kv_cache"].shape[:2]
+        caches = {"fp8": a["kv_cache"],
+                  "bf16": torch.randn(num_blocks, page, 1, 576, device=dev, dtype=torch.bfloat16)}
+        for h_q, (cache, mod, decode) in itertools.product(
+                (16, 32, 64, 128), (("fp8", fp8_decode, fp8_decode.sparse_mla_decode_mma_v2),
+                                    ("bf16", bf16_decode, bf16_decode.sparse_mla_decode_bf16_mma_v2))):
+            args = (a["q"][:, :, :h_q].contiguous(), caches[cache], a["indices"], a["sm_scale"])
+            planned = mod.plan(B, 1, h_q, topk, sms)[0]
+            ref = decode(*args)[0]
+            for n in counts:
+                ms, err = _measure(lambda args=args, decode=decode, n=n: decode(*args, num_splits=n)[0], ref,
+                                   graph=True, iters=40)
+                rows.append({"B": B, "h_q": h_q, "cache": cache, "splits": n, "planned": n == planned,
+                             "sms": sms, "ms": ms, "err": err})
+        del a, caches
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -273,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shared memory per SM limited to {forced}'s: carveout {proxy.limit_shared_memory_per_sm(forced)} %",
               flush=True)
     runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode, "prefill": sweep_prefill,
-               "ragged": sweep_ragged, "mhc": lambda: sweep_mhc(args.mhc_routed_only)}
+               "ragged": sweep_ragged, "mhc": lambda: sweep_mhc(args.mhc_routed_only), "splits": sweep_splits}
     for name in args.sweeps:
         rows = runners[name]()
         (args.out / f"sweep_{name}.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -37,7 +37,7 @@ def test_refuses_without_a_gpu(sweeps, capsys, tmp_path):
 
 
 def test_every_sweep_has_a_runner(sweeps):
-    assert set(sweeps.SWEEPS) == {"paged", "v4", "decode", "prefill", "ragged", "mhc"}
+    assert set(sweeps.SWEEPS) == {"paged", "v4", "decode", "prefill", "ragged", "mhc", "splits"}
     for name in sweeps.SWEEPS:
         assert callable(getattr(sweeps, f"sweep_{name}"))
 
