@@ -49,11 +49,13 @@ _MMA_V2_TILE = ("the Gluon mma.sync tile holds q's latent part and a [32, 512] a
                 "products; CUDA 13's ptxas (Triton 3.8 / 3.9) then keeps values in local memory on sm_120 / 121: "
                 "with the rope's scores in their own accumulator 16 B / 12 B for the prefill / bf16 decode with "
                 "Triton 3.9 (seven / five loads per two tiles) and 28 B with 3.8 (thirteen), 20 B (nine) before. "
-                "The fp8 decode, whose lazy rescale branches around O's products, keeps 16 B with Triton 3.9 (three "
-                "values fixed for the loop, one load each a tile) and none with 3.8. The sm_80 / 86 / 89 builds and "
+                "The fp8 decode, whose lazy rescale branches around O's products and which keeps a tile's row "
+                "offsets from its latent copies to its rope copy an iteration later, keeps 12 B with Triton 3.9 "
+                "and 8 B with 3.8, and its sm_86 / 89 builds 4 B with 3.6. The other sm_80 / 86 / 89 builds and "
                 "the sm_120 and sm_90 builds of Triton 3.6 spill nothing, and under the proxy the two-tile loop ran "
                 "the prefill 1.07-1.08x and the bf16 decode 1.06-1.07x faster, the lazy rescale the fp8 decode "
-                "1.01-1.06x with arbitrary scales, the rope's own accumulator the prefill 1.01-1.02x")
+                "1.01-1.06x with arbitrary scales, the rope's own accumulator the prefill 1.01-1.02x, the latent "
+                "copies issued after the conversion the fp8 decode 0.99-1.10x")
 
 KNOWN_SPILLS: dict[tuple[str, str, int], str] = {
     **{("sparse_mla", "prefill", a): _SPARSE_MLA for a in (120, 121)},

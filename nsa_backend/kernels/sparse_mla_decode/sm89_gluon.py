@@ -8,10 +8,12 @@ gather the same keys), ``BLOCK_N = 32`` slots per tile, eight warps:
   it stays for the whole split (the ``tl`` tile reads it from shared memory in every tile's product); its rope
   part stays in shared memory (16 registers fewer, so that the score MMAs interleave);
 - the raw 656-byte rows of a tile (512 e4m3 bytes, four fp32 group scales, 64 bf16 rope values) come by
-  ``cp.async`` into a ring of ``STAGES`` buffers, ``STAGES - 1`` tiles ahead, from slots read one tile ahead of
-  their copies (the three copies give a row to the same eight threads: one slot load, one page computation);
-  invalid slots (``< 0``, ``>= num_blocks * page``, past ``topk_length`` or the split) are zero-filled and their
-  scores ``-inf``;
+  ``cp.async``, from slots read one tile ahead of their copies (the three copies give a row to the same eight
+  threads: one slot load, one page computation). Only the conversion reads the latent bytes and scales, so their
+  ring of ``STAGES`` buffers takes tile ``j + STAGES`` right after the barrier that ends tile ``j``'s conversion,
+  and those copies stay in flight through tile ``j``'s products; the rope values, which the products read, have a
+  ring of their own, ``STAGES - 1`` tiles ahead. Invalid slots (``< 0``, ``>= num_blocks * page``, past
+  ``topk_length`` or the split) are zero-filled and their scores ``-inf``;
 - all threads convert a tile's latent bytes once into bf16 keys, one buffer and allocation per latent group
   (``bf16(e4m3 * scale)``, exactly as the reference; on sm_80 / 86, without the fp8 conversions, with integer
   operations), which both products read; sixteen threads take a row, eight bytes each, so that the 16-byte stores
@@ -21,11 +23,11 @@ gather the same keys), ``BLOCK_N = 32`` slots per tile, eight warps:
   other), and no score is summed across warps. The scores pass through shared memory once (one barrier): each
   warp reads its head group's ``[16, 32]`` back in the layout of the ``A`` operand of ``P V``, and takes the
   max, ``P`` and the row sums there. For ``O [32, 512] += P V`` warp ``(m, n)`` holds heads ``16 m ..`` and
-  every fourth 8-column slice of the latent dims. Three barriers per tile in all (Triton 3.6 and 3.8 add a
-  fourth between a tile's copies and its conversion, which use two buffers of one ring allocation). The products
-  and the softmax are ``mma_v2_attend_tile`` of ``sparse_mla_prefill/sm80_gluon.py``, which the bf16 prefill shares;
-  here with its lazy rescale (``LAZY_RESCALE``): a head's reference for the exponentials moves only where a tile's
-  scores exceed it by more than 8 (base 2), and a warp whose heads all keep theirs skips ``O``'s products.
+  every fourth 8-column slice of the latent dims. Three barriers per tile in all, with Triton 3.6, 3.8 and 3.9.
+  The products and the softmax are ``mma_v2_attend_tile`` of ``sparse_mla_prefill/sm80_gluon.py``, which the bf16
+  prefill shares; here with its lazy rescale (``LAZY_RESCALE``): a head's reference for the exponentials moves only
+  where a tile's scores exceed it by more than 8 (base 2), and a warp whose heads all keep theirs skips ``O``'s
+  products.
 
 Outputs follow ``_sparse_mla_fwd_kernel``: with one split the final bf16 ``out``, the natural-log ``lse``
 (``+inf`` for a row without a valid key) and ``attn_sink``; with several splits the normalised fp32
@@ -104,30 +106,38 @@ if gluon is not None:
         return gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
 
     @gluon.jit
-    def _decode_mma_v2_issue(kv_ptr, b_slot, n_slots, lat, sc, rope, PAGE: gl.constexpr, stride_page, stride_row,
-                             NUM_WARPS: gl.constexpr):
-        """``cp.async`` of the raw rows of the slots ``b_slot`` (one tile's slots from ``_decode_mma_v2_slots``,
-        ``-1`` past its end) into one ring buffer; one commit group.
+    def _decode_mma_v2_issue_latent(kv_ptr, b_slot, n_slots, lat, sc, PAGE: gl.constexpr, stride_page, stride_row,
+                                    NUM_WARPS: gl.constexpr):
+        """``cp.async`` of the latent bytes and group scales of the slots ``b_slot`` (one tile's slots from
+        ``_decode_mma_v2_slots``, ``-1`` past its end) into one buffer of their ring; one commit group. Returns the
+        rows' byte offsets and validity, which the rope's copy of the same tile takes an iteration later.
 
-        The three copies give a row to the same eight threads (their layouts differ only in the columns a thread
-        takes), so the row offsets are computed once and their layout conversions move nothing.
+        The copies give a row to the same eight threads (their layouts differ only in the columns a thread takes),
+        so the row offsets are computed once and their layout conversions move nothing.
         """
         L_LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
-        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
         L_SC: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NUM_WARPS, 1], [1, 0])
         o_row, m_n = _decode_mma_v2_rows(b_slot, n_slots, PAGE, stride_page, stride_row)
         c_lat = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, L_LAT)), 0)
         cp_async(lat, kv_ptr + gl.expand_dims(o_row, 1) + c_lat, mask=gl.expand_dims(m_n, 1))
-        o_rp = gl.convert_layout(o_row, gl.SliceLayout(1, L_ROPE))
-        m_rp = gl.convert_layout(m_n, gl.SliceLayout(1, L_ROPE))
-        p_rope = (kv_ptr + o_rp + 528).to(gl.pointer_type(gl.bfloat16))
-        c_rp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
-        cp_async(rope, gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_rp, 1))
         o_sc = gl.convert_layout(o_row, gl.SliceLayout(1, L_SC))
         m_sc = gl.convert_layout(m_n, gl.SliceLayout(1, L_SC))
         p_sc = (kv_ptr + o_sc + 512).to(gl.pointer_type(gl.float32))
         c_sc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L_SC)), 0)
         cp_async(sc, gl.expand_dims(p_sc, 1) + c_sc, mask=gl.expand_dims(m_sc, 1))
+        async_copy.commit_group()
+        return o_row, m_n
+
+    @gluon.jit
+    def _decode_mma_v2_issue_rope(kv_ptr, o_row, m_n, rope, NUM_WARPS: gl.constexpr):
+        """``cp.async`` of the rope values of the rows ``o_row`` / ``m_n`` (from ``_decode_mma_v2_issue_latent``)
+        into one buffer of their ring; one commit group."""
+        L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        o_rp = gl.convert_layout(o_row, gl.SliceLayout(1, L_ROPE))
+        m_rp = gl.convert_layout(m_n, gl.SliceLayout(1, L_ROPE))
+        p_rope = (kv_ptr + o_rp + 528).to(gl.pointer_type(gl.bfloat16))
+        c_rp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L_ROPE)), 0)
+        cp_async(rope, gl.expand_dims(p_rope, 1) + c_rp, mask=gl.expand_dims(m_rp, 1))
         async_copy.commit_group()
 
     @gluon.jit
@@ -192,12 +202,21 @@ if gluon is not None:
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], K_SL)
         s_smem = mma_v2_scores_smem(BLOCK_H, BLOCK_N)
 
+        # Only the conversion reads a tile's latent bytes and scales, so their buffer is free again right after the
+        # conversion's barrier: tile j + STAGES's copies are issued there, and stay in flight while tile j's
+        # products run. The rope values, which the products read, have a ring of their own, STAGES - 1 tiles ahead.
+        # Commit groups in issue order: latent 0, then (rope t, latent t + 1) for every t.
+        b_slot = _decode_mma_v2_slots(p_idx, n_start, n_stop, BLOCK_N, NUM_WARPS)
+        o_row, m_row = _decode_mma_v2_issue_latent(kv_ptr, b_slot, n_slots, lat_smem.index(0), sc_smem.index(0),
+                                                   PAGE, stride_page, stride_row, NUM_WARPS)
         for t in gl.static_range(STAGES - 1):
-            b_slot = _decode_mma_v2_slots(p_idx, n_start + t * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
-            _decode_mma_v2_issue(kv_ptr, b_slot, n_slots, lat_smem.index(t), sc_smem.index(t), rope_smem.index(t),
-                                 PAGE, stride_page, stride_row, NUM_WARPS)
+            _decode_mma_v2_issue_rope(kv_ptr, o_row, m_row, rope_smem.index(t), NUM_WARPS)
+            b_slot = _decode_mma_v2_slots(p_idx, n_start + (t + 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
+            o_row, m_row = _decode_mma_v2_issue_latent(kv_ptr, b_slot, n_slots, lat_smem.index(t + 1),
+                                                       sc_smem.index(t + 1), PAGE, stride_page, stride_row,
+                                                       NUM_WARPS)
         # the slots of the next tile to copy and of the tile to score are read an iteration ahead
-        b_slot = _decode_mma_v2_slots(p_idx, n_start + (STAGES - 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
+        b_slot = _decode_mma_v2_slots(p_idx, n_start + STAGES * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
 
         # ---- q: the latent part into the registers of the A operand (heads past h_q zero), through the first key
         # buffer; the rope part stays in shared memory (16 registers fewer, and the score MMAs then interleave)
@@ -219,18 +238,20 @@ if gluon is not None:
             m_n = (b_idx >= 0) & (b_idx < n_slots)  # slots past n_stop were read as -1
             o_n = o_n + BLOCK_N
             b_idx = gl.load(p_idx + o_n, mask=o_n < n_stop, other=-1)
-            async_copy.wait_group(STAGES - 2)
-            # tile j landed for every thread; every warp is done with tile j - 1: its keys, scores and buffer
+            # tile j's latent and rope groups are in; later groups: latent j + 1 .. j + STAGES - 1, rope j + 1 ..
+            async_copy.wait_group(2 * STAGES - 3)
+            # tile j landed for every thread; every warp is done with tile j - 1: its keys, scores and rope buffer
             cta_barrier()
-            jn = j + STAGES - 1
-            _decode_mma_v2_issue(kv_ptr, b_slot, n_slots, lat_smem.index(jn % STAGES), sc_smem.index(jn % STAGES),
-                                 rope_smem.index(jn % STAGES), PAGE, stride_page, stride_row, NUM_WARPS)
-            b_slot = _decode_mma_v2_slots(p_idx, n_start + (jn + 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
+            _decode_mma_v2_issue_rope(kv_ptr, o_row, m_row, rope_smem.index((j + STAGES - 1) % STAGES), NUM_WARPS)
             lat = lat_smem.index(st)
             sc = sc_smem.index(st)
             for g in gl.static_range(4):
                 _decode_mma_v2_convert(lat, sc, g, keys[g], POW2_SCALES, FP8_NATIVE, L_DQ)
+            # every warp converted tile j: its latent buffer takes tile j + STAGES
             cta_barrier()
+            o_row, m_row = _decode_mma_v2_issue_latent(kv_ptr, b_slot, n_slots, lat, sc, PAGE, stride_page,
+                                                       stride_row, NUM_WARPS)
+            b_slot = _decode_mma_v2_slots(p_idx, n_start + (j + STAGES + 1) * BLOCK_N, n_stop, BLOCK_N, NUM_WARPS)
             b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3 = mma_v2_attend_tile(
                 b_q0, b_q1, b_q2, b_q3, keys[0], keys[1], keys[2], keys[3], qr_smem,
                 rope_smem.index(st), s_smem, m_n, b_m, b_l, b_acc0, b_acc1, b_acc2, b_acc3, b_zero, qk_scale, MMA,
