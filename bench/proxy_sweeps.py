@@ -23,7 +23,7 @@ the proxied GPU would hold.
 - ``splits``: the Gluon mma.sync decodes (fp8_ds_mla and bf16 caches), whose program fills an SM, at every split
   count of the top-k list they allow (1-8 at top-k 2048) and at batch sizes where one program a row and head block
   fills part of the last wave (B 40 / 64 / 80 / 100 / 128 / 200, s_q 1, h_q 16 / 32 / 64 / 128; CUDA graph);
-  ``planned`` marks the count the launcher plans (``one_wave_splits``) on this GPU's SMs.
+  ``planned`` marks the count the launcher plans (its module's ``plan``) on this GPU's SMs.
 - ``mhc``: ``tf32_hc_prenorm_gemm`` at N 24, K 28672, M 1024-16384 (CUDA graph): the shipped route against
   the stacked bf16 parts of ``b`` with tiles whose programs per SM fit the 100 KiB an sm_120 SM holds,
   with and without programmatic dependent launch, and without it with each step's product waited for

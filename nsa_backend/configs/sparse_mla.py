@@ -253,6 +253,39 @@ def one_wave_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_sm
     return split_keys(topk, num_splits, block_n)
 
 
+# The mma.sync decodes' split count (``wave_filling_splits``): one split more costs about SPLIT_COST_TILES tiles of
+# a program's time (its fp32 partials and their merge), and a count other than the one-wave plan is taken only where
+# it cuts the estimate by SPLIT_MIN_GAIN or more. Fitted on the split sweep under the sm120 proxy on an H100
+# (bench/results/h100-proxy-sm120/sweeps-splits: B 40-200, h_q 16-128, top-k 2048, both caches).
+SPLIT_COST_TILES = 4
+SPLIT_MIN_GAIN = 0.15
+
+
+def wave_filling_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_sms: int,
+                        num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, keys_per_split)`` for kernels whose program fills an SM's shared memory, by the tiles on the
+    critical path: where the programs of the one-wave plan (:func:`one_wave_splits`) leave part of the GPU idle for
+    the whole call (one split more than half fills it, or a last wave is partly filled), the count ``s``, at least
+    the one-wave plan's, that minimises ``ceil(programs * s / num_sms) * tiles per split + SPLIT_COST_TILES * (s -
+    1)``, where that is at least ``SPLIT_MIN_GAIN`` below the one-wave plan's; the caller's ``num_splits`` as given.
+    The plan never takes fewer splits than one wave holds (the sweep covered B >= 40, where a split's partials
+    cost the most).
+    """
+    planned = one_wave_splits(rows, head_blocks, topk, block_n, num_sms, num_splits)
+    if num_splits is not None:
+        return planned
+    programs = max(1, rows * head_blocks)
+    most = max(1, min(MAX_SPLITS, topk // MIN_KEYS_PER_SPLIT))
+
+    def cost(plan: tuple[int, int]) -> int:
+        splits, per = plan
+        waves = -(-programs * splits // num_sms)
+        return waves * -(-per // block_n) + SPLIT_COST_TILES * (splits - 1)
+
+    best = min((split_keys(topk, n, block_n) for n in range(planned[0], most + 1)), key=cost)  # ties: fewer
+    return best if cost(best) < (1 - SPLIT_MIN_GAIN) * cost(planned) else planned
+
+
 def split_keys(topk: int, num_splits: int, block_n: int) -> tuple[int, int]:
     """``(num_splits, keys_per_split)`` for about ``num_splits`` splits of whole ``block_n`` tiles
     (the count can drop so that no split is empty)."""

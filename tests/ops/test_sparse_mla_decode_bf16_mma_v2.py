@@ -77,6 +77,8 @@ def test_plan_is_shape_only():
     # one wave of one program per SM: 32 rows x 2 head blocks x splits <= 170
     assert splits > 1 and 64 * splits <= 170 and splits * per >= 2048 and per % 32 == 0
     assert G.plan(128, 1, 128, 2048, 170)[0] == 1
+    # 80 rows on 132 SMs: one split leaves 52 SMs idle; three make two waves of 22-tile programs (44 tiles against 64)
+    assert G.plan(80, 1, 32, 2048, 132)[0] == 3
     assert G.plan(1, 1, 64, 64, 170, num_splits=1) == (1, 64)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from nsa_backend.configs.sparse_mla import one_wave_splits
+from nsa_backend.configs.sparse_mla import wave_filling_splits
 from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._launch import cached_launcher
 from nsa_backend.kernels.sparse_mla_decode.merge import decode_outputs, launch_split_decode
@@ -41,8 +41,9 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int,
 def plan(B: int, s_q: int, h_q: int, topk: int, num_sms: int,
          num_splits: int | None = None) -> tuple[int, int]:
     """``(num_splits, keys_per_split)``: one program fills an SM's shared memory, so the top-k list is split
-    until the programs of all rows and head blocks make one wave of one program per SM."""
-    return one_wave_splits(B * s_q, triton.cdiv(h_q, tile.BLOCK_H), topk, tile.BLOCK_N, num_sms, num_splits)
+    until the programs of all rows and head blocks make one wave of one program per SM, or further where that
+    leaves part of the GPU idle for the whole call (``wave_filling_splits``)."""
+    return wave_filling_splits(B * s_q, triton.cdiv(h_q, tile.BLOCK_H), topk, tile.BLOCK_N, num_sms, num_splits)
 
 
 def sparse_mla_decode_bf16_mma_v2(

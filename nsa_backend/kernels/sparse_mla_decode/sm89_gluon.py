@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from nsa_backend.configs.sparse_mla import one_wave_splits
+from nsa_backend.configs.sparse_mla import wave_filling_splits
 from nsa_backend.kernels._arch import device_arch, device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
@@ -294,8 +294,9 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, d_v: int,
 def plan(B: int, s_q: int, h_q: int, topk: int, num_sms: int,
          num_splits: int | None = None) -> tuple[int, int]:
     """``(num_splits, keys_per_split)``: one program fills an SM's shared memory, so the top-k list is split
-    until the programs of all rows and head blocks make one wave of one program per SM."""
-    return one_wave_splits(B * s_q, triton.cdiv(h_q, BLOCK_H), topk, BLOCK_N, num_sms, num_splits)
+    until the programs of all rows and head blocks make one wave of one program per SM, or further where that
+    leaves part of the GPU idle for the whole call (``wave_filling_splits``)."""
+    return wave_filling_splits(B * s_q, triton.cdiv(h_q, BLOCK_H), topk, BLOCK_N, num_sms, num_splits)
 
 
 def sparse_mla_decode_mma_v2(
