@@ -23,7 +23,9 @@ the proxied GPU would hold.
 - ``splits``: the Gluon mma.sync decodes (fp8_ds_mla and bf16 caches), whose program fills an SM, at every split
   count of the top-k list they allow (1-8 at top-k 2048) and at batch sizes where one program a row and head block
   fills part of the last wave (B 40 / 64 / 80 / 100 / 128 / 200, s_q 1, h_q 16 / 32 / 64 / 128; CUDA graph);
-  ``planned`` marks the count the launcher plans (its module's ``plan``) on this GPU's SMs.
+  ``planned`` marks the count the launcher plans (its module's ``plan``) on this GPU's SMs. ``--splits-batches``,
+  ``--splits-topk`` and ``--splits-heads`` take other shapes (comma-separated); ``--splits-any-count`` also times
+  counts past the planner's bound of ``MIN_KEYS_PER_SPLIT`` keys a split, down to one 32-key tile (``SPLIT_WIDE``).
 - ``mhc``: ``tf32_hc_prenorm_gemm`` at N 24, K 28672, M 1024-16384 (CUDA graph): the shipped route against
   the stacked bf16 parts of ``b`` with tiles whose programs per SM fit the 100 KiB an sm_120 SM holds,
   with and without programmatic dependent launch, and without it with each step's product waited for
@@ -59,7 +61,14 @@ from nsa_backend.configs.indexer import (
     ragged_config,
     shared_memory_budget,
 )
-from nsa_backend.configs.sparse_mla import MAX_SPLITS, MIN_KEYS_PER_SPLIT, AttnConfig, V4DecodeTile, decode_num_splits
+from nsa_backend.configs.sparse_mla import (
+    MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    AttnConfig,
+    V4DecodeTile,
+    decode_num_splits,
+    split_keys,
+)
 from nsa_backend.kernels import indexer as kernels_indexer
 from nsa_backend.kernels import mhc as kernels_mhc
 from nsa_backend.kernels._arch import device_sms
@@ -156,29 +165,42 @@ def sweep_decode() -> list[dict]:
 
 # Batch sizes of the split sweep: on 132 SMs (an H100) one program a row fills 0.30-0.97 of the last wave.
 SPLIT_SWEEP_BATCHES = (40, 64, 80, 100, 128, 200)
+SPLIT_SWEEP_HEADS = (16, 32, 64, 128)
+# Counts timed past the planner's bound with --splits-any-count (each as split_keys rounds it to whole tiles).
+SPLIT_WIDE = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
 
-def sweep_splits() -> list[dict]:
+def split_counts(topk: int, any_count: bool, block_n: int = 32) -> list[int]:
+    """The split counts the sweep times at ``topk``: those the planners allow (at least ``MIN_KEYS_PER_SPLIT``
+    keys a split), or with ``any_count`` those of ``SPLIT_WIDE`` down to one ``block_n`` tile a split."""
+    if not any_count:
+        return list(range(1, min(MAX_SPLITS, topk // MIN_KEYS_PER_SPLIT) + 1))
+    counts = {split_keys(topk, n, block_n)[0] for n in SPLIT_WIDE if n <= min(MAX_SPLITS, cdiv(topk, block_n))}
+    return sorted(counts)
+
+
+def sweep_splits(batches: tuple[int, ...] = SPLIT_SWEEP_BATCHES, topks: tuple[int, ...] = (2048,),
+                 heads: tuple[int, ...] = SPLIT_SWEEP_HEADS, any_count: bool = False) -> list[dict]:
     rows = []
     dev = torch.device("cuda")
-    sms, topk = device_sms(dev), 2048
-    counts = range(1, min(MAX_SPLITS, topk // MIN_KEYS_PER_SPLIT) + 1)
-    for B in SPLIT_SWEEP_BATCHES:
-        a = bench_sparse_mla.decode_inputs(B, 1, 128, topk, dev)  # one cache a batch size; q's first h_q heads
+    sms = device_sms(dev)
+    for topk, B in itertools.product(topks, batches):
+        # one cache a batch size and top-k; q's first h_q heads
+        a = bench_sparse_mla.decode_inputs(B, 1, max(heads), topk, dev)
         num_blocks, page = a["kv_cache"].shape[:2]
         caches = {"fp8": a["kv_cache"],
                   "bf16": torch.randn(num_blocks, page, 1, 576, device=dev, dtype=torch.bfloat16)}
         for h_q, (cache, mod, decode) in itertools.product(
-                (16, 32, 64, 128), (("fp8", fp8_decode, fp8_decode.sparse_mla_decode_mma_v2),
-                                    ("bf16", bf16_decode, bf16_decode.sparse_mla_decode_bf16_mma_v2))):
+                heads, (("fp8", fp8_decode, fp8_decode.sparse_mla_decode_mma_v2),
+                        ("bf16", bf16_decode, bf16_decode.sparse_mla_decode_bf16_mma_v2))):
             args = (a["q"][:, :, :h_q].contiguous(), caches[cache], a["indices"], a["sm_scale"])
             planned = mod.plan(B, 1, h_q, topk, sms)[0]
             ref = decode(*args)[0]
-            for n in counts:
+            for n in split_counts(topk, any_count):
                 ms, err = _measure(lambda args=args, decode=decode, n=n: decode(*args, num_splits=n)[0], ref,
                                    graph=True, iters=40)
-                rows.append({"B": B, "h_q": h_q, "cache": cache, "splits": n, "planned": n == planned,
-                             "sms": sms, "ms": ms, "err": err})
+                rows.append({"B": B, "h_q": h_q, "topk": topk, "cache": cache, "splits": n,
+                             "planned": n == planned, "sms": sms, "ms": ms, "err": err})
         del a, caches
         torch.cuda.empty_cache()
     return rows
@@ -296,12 +318,31 @@ def sweep_mhc(routed_only: bool = False) -> list[dict]:
     return [*rows, {"copy_gbps": copy}]
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; positive integers only (argparse reports the error)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", choices=SWEEPS, help="sweeps to run")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="folder for sweep_<name>.json")
     parser.add_argument("--mhc-routed-only", action="store_true",
                         help="mhc: only the tiles the arch routes to (each launch variant twice)")
+    parser.add_argument("--splits-batches", type=_int_list, default=SPLIT_SWEEP_BATCHES,
+                        help="splits: batch sizes (comma-separated positive integers)")
+    parser.add_argument("--splits-topk", type=_int_list, default=(2048,),
+                        help="splits: top-k sizes (comma-separated positive integers)")
+    parser.add_argument("--splits-heads", type=_int_list, default=SPLIT_SWEEP_HEADS,
+                        help="splits: query heads (comma-separated positive integers)")
+    parser.add_argument("--splits-any-count", action="store_true",
+                        help="splits: also counts past the planner's bound, down to one 32-key tile a split")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the sweeps time GPU kernels: no CUDA device is visible")
@@ -311,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shared memory per SM limited to {forced}'s: carveout {proxy.limit_shared_memory_per_sm(forced)} %",
               flush=True)
     runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode, "prefill": sweep_prefill,
-               "ragged": sweep_ragged, "mhc": lambda: sweep_mhc(args.mhc_routed_only), "splits": sweep_splits}
+               "ragged": sweep_ragged, "mhc": lambda: sweep_mhc(args.mhc_routed_only),
+               "splits": lambda: sweep_splits(args.splits_batches, args.splits_topk, args.splits_heads,
+                                              args.splits_any_count)}
     for name in args.sweeps:
         rows = runners[name]()
         (args.out / f"sweep_{name}.json").write_text(json.dumps(rows, indent=1) + "\n")

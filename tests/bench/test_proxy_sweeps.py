@@ -18,6 +18,9 @@ def sweeps():
 @pytest.mark.parametrize("argv, says", [
     (["bogus", "--out", "x"], "argument sweeps: invalid choice: 'bogus'"),
     (["paged"], "the following arguments are required: --out"),
+    (["splits", "--out", "x", "--splits-batches", "1,x"], "argument --splits-batches: expected comma-separated"),
+    (["splits", "--out", "x", "--splits-topk", "0"], "argument --splits-topk: expected comma-separated"),
+    (["splits", "--out", "x", "--splits-heads", ""], "argument --splits-heads: expected comma-separated"),
 ])
 def test_bad_arguments(sweeps, capsys, argv, says):
     with pytest.raises(SystemExit) as exc:
@@ -47,3 +50,12 @@ def test_mhc_candidates_fit_an_sm120_sm(sweeps):
     for tile, per_sm in sweeps.MHC_PARTS_TILES:
         need = per_sm * cfgs.GemmConfig(*tile).shared_bytes_estimate(32, True, cfgs.PARTS_PRECISION)
         assert need <= SHARED_MEMORY_PER_SM[120], (tile, per_sm, need)
+
+
+def test_split_counts(sweeps):
+    # the planners' range: at least MIN_KEYS_PER_SPLIT (256) keys a split, at most MAX_SPLITS
+    assert sweeps.split_counts(2048, False) == list(range(1, 9))
+    assert sweeps.split_counts(512, False) == [1, 2]
+    # past it: down to one 32-key tile a split, each count as whole tiles give it (no empty split)
+    assert sweeps.split_counts(2048, True) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 16, 22, 32, 64]
+    assert sweeps.split_counts(512, True) == [1, 2, 3, 4, 6, 8, 16]
