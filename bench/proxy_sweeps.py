@@ -25,7 +25,8 @@ the proxied GPU would hold.
   fills part of the last wave (B 40 / 64 / 80 / 100 / 128 / 200, s_q 1, h_q 16 / 32 / 64 / 128; CUDA graph);
   ``planned`` marks the count the launcher plans (its module's ``plan``) on this GPU's SMs. ``--splits-batches``,
   ``--splits-topk`` and ``--splits-heads`` take other shapes (comma-separated); ``--splits-any-count`` also times
-  counts past the planner's bound of ``MIN_KEYS_PER_SPLIT`` keys a split, down to one 32-key tile (``SPLIT_WIDE``).
+  counts past the planner's bound of ``MIN_KEYS_PER_SPLIT`` keys a split, down to one 32-key tile (``SPLIT_WIDE``);
+  ``--splits-kernels sm90`` times the sm_90 Gluon fp8 decodes instead (run without the proxy).
 - ``mhc``: ``tf32_hc_prenorm_gemm`` at N 24, K 28672, M 1024-16384 (CUDA graph): the shipped route against
   the stacked bf16 parts of ``b`` with tiles whose programs per SM fit the 100 KiB an sm_120 SM holds,
   with and without programmatic dependent launch, and without it with each step's product waited for
@@ -74,9 +75,11 @@ from nsa_backend.kernels import mhc as kernels_mhc
 from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._launch import cdiv
 from nsa_backend.kernels.aot import SHARED_MEMORY_PER_SM
+from nsa_backend.kernels.sparse_mla_decode import GLUON_DECODE_HEADS, sparse_mla_decode_triton
 from nsa_backend.kernels.sparse_mla_decode import sm80_gluon as bf16_decode
 from nsa_backend.kernels.sparse_mla_decode import sm89_gluon as fp8_decode
-from nsa_backend.kernels.sparse_mla_decode import sparse_mla_decode_triton
+from nsa_backend.kernels.sparse_mla_decode import sm90_gluon as sm90_decode
+from nsa_backend.kernels.sparse_mla_decode import sm90_gluon_ws as sm90_ws_decode
 from nsa_backend.kernels.sparse_mla_prefill import flash_mla_sparse_fwd_triton
 
 SWEEPS = ("paged", "v4", "decode", "prefill", "ragged", "mhc", "splits")
@@ -179,8 +182,26 @@ def split_counts(topk: int, any_count: bool, block_n: int = 32) -> list[int]:
     return sorted(counts)
 
 
+# Decodes the split sweep times (--splits-kernels): the Gluon mma.sync ones (both caches; run under the proxy or on
+# their archs) or the sm_90 Gluon fp8 ones (few heads, and the warp-specialised one from 17 heads; without the proxy).
+SPLIT_KERNELS = ("mma_v2", "sm90")
+
+
+def _split_kernels(kernels: str, h_q: int) -> list[tuple[str, Callable, Callable]]:
+    """``(cache, plan, decode)`` of each decode the split sweep times at ``h_q`` heads: ``plan(B, s_q, h_q, topk,
+    num_sms)`` is the split count the decode's launcher plans, ``decode(q, kv_cache, indices, sm_scale,
+    num_splits=...)`` the call."""
+    if kernels == "mma_v2":
+        return [("fp8", lambda *a: fp8_decode.plan(*a)[0], fp8_decode.sparse_mla_decode_mma_v2),
+                ("bf16", lambda *a: bf16_decode.plan(*a)[0], bf16_decode.sparse_mla_decode_bf16_mma_v2)]
+    if h_q in GLUON_DECODE_HEADS:
+        return [("fp8", lambda *a: sm90_decode.decode_gluon_plan(*a)[3], sm90_decode.sparse_mla_decode_gluon)]
+    return [("fp8", lambda *a: sm90_ws_decode.plan(*a)[0], sm90_ws_decode.sparse_mla_decode_gluon_ws)]
+
+
 def sweep_splits(batches: tuple[int, ...] = SPLIT_SWEEP_BATCHES, topks: tuple[int, ...] = (2048,),
-                 heads: tuple[int, ...] = SPLIT_SWEEP_HEADS, any_count: bool = False) -> list[dict]:
+                 heads: tuple[int, ...] = SPLIT_SWEEP_HEADS, any_count: bool = False,
+                 kernels: str = "mma_v2") -> list[dict]:
     rows = []
     dev = torch.device("cuda")
     sms = device_sms(dev)
@@ -190,17 +211,16 @@ def sweep_splits(batches: tuple[int, ...] = SPLIT_SWEEP_BATCHES, topks: tuple[in
         num_blocks, page = a["kv_cache"].shape[:2]
         caches = {"fp8": a["kv_cache"],
                   "bf16": torch.randn(num_blocks, page, 1, 576, device=dev, dtype=torch.bfloat16)}
-        for h_q, (cache, mod, decode) in itertools.product(
-                heads, (("fp8", fp8_decode, fp8_decode.sparse_mla_decode_mma_v2),
-                        ("bf16", bf16_decode, bf16_decode.sparse_mla_decode_bf16_mma_v2))):
-            args = (a["q"][:, :, :h_q].contiguous(), caches[cache], a["indices"], a["sm_scale"])
-            planned = mod.plan(B, 1, h_q, topk, sms)[0]
-            ref = decode(*args)[0]
-            for n in split_counts(topk, any_count):
-                ms, err = _measure(lambda args=args, decode=decode, n=n: decode(*args, num_splits=n)[0], ref,
-                                   graph=True, iters=40)
-                rows.append({"B": B, "h_q": h_q, "topk": topk, "cache": cache, "splits": n,
-                             "planned": n == planned, "sms": sms, "ms": ms, "err": err})
+        for h_q in heads:
+            for cache, plan, decode in _split_kernels(kernels, h_q):
+                args = (a["q"][:, :, :h_q].contiguous(), caches[cache], a["indices"], a["sm_scale"])
+                planned = plan(B, 1, h_q, topk, sms)
+                ref = decode(*args)[0]
+                for n in split_counts(topk, any_count):
+                    ms, err = _measure(lambda args=args, decode=decode, n=n: decode(*args, num_splits=n)[0], ref,
+                                       graph=True, iters=40)
+                    rows.append({"B": B, "h_q": h_q, "topk": topk, "cache": cache, "kernels": kernels, "splits": n,
+                                 "planned": n == planned, "sms": sms, "ms": ms, "err": err})
         del a, caches
         torch.cuda.empty_cache()
     return rows
@@ -341,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="splits: top-k sizes (comma-separated positive integers)")
     parser.add_argument("--splits-heads", type=_int_list, default=SPLIT_SWEEP_HEADS,
                         help="splits: query heads (comma-separated positive integers)")
+    parser.add_argument("--splits-kernels", choices=SPLIT_KERNELS, default="mma_v2",
+                        help="splits: the mma.sync Gluon decodes, or the sm_90 Gluon fp8 decodes (without the proxy)")
     parser.add_argument("--splits-any-count", action="store_true",
                         help="splits: also counts past the planner's bound, down to one 32-key tile a split")
     args = parser.parse_args(argv)
@@ -354,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"paged": sweep_paged, "v4": sweep_v4, "decode": sweep_decode, "prefill": sweep_prefill,
                "ragged": sweep_ragged, "mhc": lambda: sweep_mhc(args.mhc_routed_only),
                "splits": lambda: sweep_splits(args.splits_batches, args.splits_topk, args.splits_heads,
-                                              args.splits_any_count)}
+                                              args.splits_any_count, args.splits_kernels)}
     for name in args.sweeps:
         rows = runners[name]()
         (args.out / f"sweep_{name}.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -59,3 +59,15 @@ def test_split_counts(sweeps):
     # past it: down to one 32-key tile a split, each count as whole tiles give it (no empty split)
     assert sweeps.split_counts(2048, True) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 16, 22, 32, 64]
     assert sweeps.split_counts(512, True) == [1, 2, 3, 4, 6, 8, 16]
+
+
+@pytest.mark.parametrize("kernels, h_q, want", [
+    ("mma_v2", 32, [("fp8", "sparse_mla_decode_mma_v2"), ("bf16", "sparse_mla_decode_bf16_mma_v2")]),
+    ("sm90", 16, [("fp8", "sparse_mla_decode_gluon")]),
+    ("sm90", 64, [("fp8", "sparse_mla_decode_gluon_ws")]),
+])
+def test_split_kernels(sweeps, kernels, h_q, want):
+    got = sweeps._split_kernels(kernels, h_q)
+    assert [(cache, decode.__name__) for cache, _, decode in got] == want
+    for _, plan, _ in got:  # the launcher's planned count, from shapes only
+        assert plan(40, 1, h_q, 2048, 132) >= 1
