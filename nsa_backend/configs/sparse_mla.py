@@ -253,34 +253,40 @@ def one_wave_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_sm
     return split_keys(topk, num_splits, block_n)
 
 
-# The mma.sync decodes' split count (``wave_filling_splits``): one split more costs about SPLIT_COST_TILES tiles of
-# a program's time (its fp32 partials and their merge), and a count other than the one-wave plan is taken only where
-# it cuts the estimate by SPLIT_MIN_GAIN or more. Fitted on the split sweep under the sm120 proxy on an H100
-# (bench/results/h100-proxy-sm120/sweeps-splits: B 40-200, h_q 16-128, top-k 2048, both caches).
-SPLIT_COST_TILES = 4
-SPLIT_MIN_GAIN = 0.15
+# The split count of the decodes whose program fills an SM (``wave_filling_splits``): one split more costs about
+# SPLIT_COST_TILES tiles of a program's time, plus SPLIT_COST_TILES_PER_WAVE tiles for each wave one split's programs
+# fill (their fp32 partials, written and merged, grow with the programs), and a count other than the one-wave plan is
+# taken only where it cuts the estimate by SPLIT_MIN_GAIN or more. Fitted on the split sweeps under the sm120 proxy on
+# an H100 (bench/results/h100-proxy-sm120/sweeps-splits and splits-small-batches: B 1-200, h_q 16-128, top-k 512 and
+# 2048, both caches, down to one tile a split).
+SPLIT_COST_TILES = 0.125
+SPLIT_COST_TILES_PER_WAVE = 3
+SPLIT_MIN_GAIN = 0.10
 
 
 def wave_filling_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_sms: int,
                         num_splits: int | None = None) -> tuple[int, int]:
     """``(num_splits, keys_per_split)`` for kernels whose program fills an SM's shared memory, by the tiles on the
-    critical path: where the programs of the one-wave plan (:func:`one_wave_splits`) leave part of the GPU idle for
-    the whole call (one split more than half fills it, or a last wave is partly filled), the count ``s``, at least
-    the one-wave plan's, that minimises ``ceil(programs * s / num_sms) * tiles per split + SPLIT_COST_TILES * (s -
-    1)``, where that is at least ``SPLIT_MIN_GAIN`` below the one-wave plan's; the caller's ``num_splits`` as given.
-    The plan never takes fewer splits than one wave holds (the sweep covered B >= 40, where a split's partials
-    cost the most).
+    critical path: the count ``s``, at least the one-wave plan's (:func:`one_wave_splits`) and at most one
+    ``block_n`` tile a split (and ``MAX_SPLITS``), that minimises ``ceil(programs * s / num_sms) * tiles per split
+    + (s - 1) * (SPLIT_COST_TILES + SPLIT_COST_TILES_PER_WAVE * programs / num_sms)``, where that is at least
+    ``SPLIT_MIN_GAIN`` below the one-wave plan's; the caller's ``num_splits`` as given.
+
+    It departs from the one-wave plan where that leaves part of the GPU idle for the whole call (one split more
+    than half fills it, or a last wave is partly filled) and where few programs leave whole SMs idle: there the
+    top-k list is cut below ``MIN_KEYS_PER_SPLIT`` keys a split, since a few programs' partials cost little.
     """
     planned = one_wave_splits(rows, head_blocks, topk, block_n, num_sms, num_splits)
     if num_splits is not None:
         return planned
     programs = max(1, rows * head_blocks)
-    most = max(1, min(MAX_SPLITS, topk // MIN_KEYS_PER_SPLIT))
+    most = max(1, min(MAX_SPLITS, topk // block_n))
+    split_cost = SPLIT_COST_TILES + SPLIT_COST_TILES_PER_WAVE * programs / num_sms
 
-    def cost(plan: tuple[int, int]) -> int:
+    def cost(plan: tuple[int, int]) -> float:
         splits, per = plan
         waves = -(-programs * splits // num_sms)
-        return waves * -(-per // block_n) + SPLIT_COST_TILES * (splits - 1)
+        return waves * -(-per // block_n) + split_cost * (splits - 1)
 
     best = min((split_keys(topk, n, block_n) for n in range(planned[0], most + 1)), key=cost)  # ties: fewer
     return best if cost(best) < (1 - SPLIT_MIN_GAIN) * cost(planned) else planned

@@ -45,39 +45,43 @@ def test_one_wave_splits_takes_the_callers_count():
     assert one_wave_splits(1, 1, 64, 32, 132, num_splits=1) == (1, 64)
 
 
-@pytest.mark.parametrize("rows, head_blocks, num_sms", [(1, 1, 132), (4, 2, 132), (32, 2, 170), (64, 1, 132),
-                                                        (128, 1, 132), (64, 1, 170), (1, 1, 8)])
+@pytest.mark.parametrize("rows, head_blocks, num_sms", [(32, 2, 170), (64, 1, 132), (128, 1, 132), (64, 1, 170),
+                                                        (16, 4, 132), (128, 4, 132), (1, 1, 8)])
 def test_wave_filling_splits_keeps_a_wave_that_fills(rows, head_blocks, num_sms):
-    # where one split's programs fill the GPU or several splits make one wave, the one-wave plan stands
+    # where one split's programs fill the GPU or several splits make one full wave, the one-wave plan stands
     assert wave_filling_splits(rows, head_blocks, 2048, 32, num_sms) == one_wave_splits(rows, head_blocks, 2048, 32,
                                                                                           num_sms)
 
 
-# (rows, head blocks, SMs) -> splits: where one split leaves part of the GPU idle for the whole call. On 132 SMs the
-# counts the split sweep under the proxy found fastest for the fp8 decode (bench/results/h100-proxy-sm120/
-# sweeps-splits: 1.24-1.30x); then what the estimate takes on an RTX 5090, an RTX PRO 6000 and a GB10 (170 / 188 /
-# 48 SMs) at partly filled waves
-WAVE_FILLING = [((80, 1, 132), 3), ((40, 2, 132), 3), ((40, 4, 132), 4), ((80, 2, 132), 4), ((100, 1, 170), 3),
-                ((200, 1, 188), 4), ((64, 1, 48), 3)]
+# (rows, head blocks, SMs, top-k) -> splits where the one-wave plan leaves part of the GPU idle. On 132 SMs the counts
+# the split sweeps under the proxy found fastest (bench/results/h100-proxy-sm120/: sweeps-splits, B 40-200, the fp8
+# decode 1.24-1.30x; splits-small-batches, B 1-16, 1.04-1.52x, below MIN_KEYS_PER_SPLIT keys a split); then what the
+# estimate takes on an RTX 5090, an RTX PRO 6000 and a GB10 (170 / 188 / 48 SMs) at partly filled waves
+WAVE_FILLING = [((80, 1, 132, 2048), 3), ((40, 2, 132, 2048), 3), ((40, 4, 132, 2048), 4), ((80, 2, 132, 2048), 4),
+                ((1, 1, 132, 2048), 22), ((1, 4, 132, 2048), 16), ((4, 1, 132, 2048), 16), ((2, 2, 132, 2048), 16),
+                ((1, 1, 132, 512), 8), ((4, 4, 132, 512), 8), ((16, 1, 132, 512), 8), ((40, 1, 132, 512), 3),
+                ((100, 1, 170, 2048), 5), ((200, 1, 188, 2048), 4), ((64, 1, 48, 2048), 3)]
 
 
 @pytest.mark.parametrize("shape, splits", WAVE_FILLING)
 def test_wave_filling_splits_fills_the_idle_part(shape, splits):
-    rows, head_blocks, num_sms = shape
-    got, per = wave_filling_splits(rows, head_blocks, 2048, 32, num_sms)
-    assert got == splits and one_wave_splits(rows, head_blocks, 2048, 32, num_sms)[0] == 1
-    assert (got, per) == split_keys(2048, got, 32) and per >= MIN_KEYS_PER_SPLIT
+    rows, head_blocks, num_sms, topk = shape
+    got, per = wave_filling_splits(rows, head_blocks, topk, 32, num_sms)
+    assert got == splits and got > one_wave_splits(rows, head_blocks, topk, 32, num_sms)[0]
+    assert (got, per) == split_keys(topk, got, 32)
 
 
-@pytest.mark.parametrize("rows, head_blocks, num_sms", itertools.product([1, 7, 40, 80, 100, 160, 200, 256, 1000],
-                                                                         [1, 2, 4], [48, 132, 170, 188]))
-def test_wave_filling_splits_stays_in_bounds(rows, head_blocks, num_sms):
-    splits, per = wave_filling_splits(rows, head_blocks, 2048, 32, num_sms)
-    one_wave, _ = one_wave_splits(rows, head_blocks, 2048, 32, num_sms)
-    assert one_wave <= splits <= min(MAX_SPLITS, 2048 // MIN_KEYS_PER_SPLIT)
-    assert splits * per >= 2048 > (splits - 1) * per and per % 32 == 0
+@pytest.mark.parametrize("rows, head_blocks, num_sms, topk", itertools.product(
+    [1, 7, 40, 80, 100, 160, 200, 256, 1000], [1, 2, 4], [48, 132, 170, 188], [512, 2048]))
+def test_wave_filling_splits_stays_in_bounds(rows, head_blocks, num_sms, topk):
+    splits, per = wave_filling_splits(rows, head_blocks, topk, 32, num_sms)
+    one_wave, _ = one_wave_splits(rows, head_blocks, topk, 32, num_sms)
+    # at least the one-wave plan's count, at most one tile a split and MAX_SPLITS
+    assert one_wave <= splits <= min(MAX_SPLITS, topk // 32)
+    assert splits * per >= topk > (splits - 1) * per and per % 32 == 0
 
 
 def test_wave_filling_splits_takes_the_callers_count():
     assert wave_filling_splits(80, 1, 2048, 32, 132, num_splits=1) == (1, 2048)
-    assert wave_filling_splits(1, 1, 64, 32, 132) == (1, 64)
+    assert wave_filling_splits(1, 1, 64, 32, 132, num_splits=1) == (1, 64)
+    assert wave_filling_splits(1, 1, 32, 32, 132) == (1, 32)  # one tile: nothing to split

@@ -79,6 +79,9 @@ def test_plan_is_shape_only():
     assert G.plan(128, 1, 128, 2048, 170)[0] == 1
     # 80 rows on 132 SMs: one split leaves 52 SMs idle; three make two waves of 22-tile programs (44 tiles against 64)
     assert G.plan(80, 1, 32, 2048, 132)[0] == 3
+    # one user's decode: splits below 256 keys, down to 64-96 keys (splits-small-batches: 1.09-1.53x)
+    assert G.plan(1, 1, 32, 2048, 132) == (22, 96)
+    assert G.plan(4, 1, 128, 512, 132) == (8, 64)
     assert G.plan(1, 1, 64, 64, 170, num_splits=1) == (1, 64)
 
 

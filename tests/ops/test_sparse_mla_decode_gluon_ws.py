@@ -100,6 +100,9 @@ def test_ws_decode_plan_is_shape_only():
     assert plan(128, 1, 64, 2048, 132)[0] == 1
     assert plan(128, 2, 128, 2048, 132)[0] == 1
     assert plan(1, 1, 64, 64, 132) == (1, 64)
+    # where the one-wave plan leaves SMs idle (wave_filling_splits; splits-small-batches/sm90-native: 1.17x, 1.11x)
+    assert plan(1, 1, 64, 2048, 132) == (16, 128)
+    assert plan(80, 1, 64, 2048, 132)[0] == 3
     assert plan(4, 1, 128, 2048, 132, num_splits=3) == (3, 704)
 
 

@@ -88,7 +88,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from nsa_backend.configs.sparse_mla import one_wave_splits
+from nsa_backend.configs.sparse_mla import wave_filling_splits
 from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
@@ -880,14 +880,14 @@ def decode_gluon_plan(B: int, s_q: int, h_q: int, topk: int, num_sms: int, block
                       num_splits: int | None = None) -> tuple[int, int, int, int, int]:
     """``(block_h, block_n, stages, num_splits, keys_per_split)``: a function of the shapes only.
 
-    One program fills an SM's shared memory, so the top-k list is split (the rule of
-    ``configs.sparse_mla.decode_num_splits``) until the programs of all rows and head blocks make one
-    wave of one program per SM.
+    One program fills an SM's shared memory, so the top-k list is split until the programs of all rows and
+    head blocks make one wave of one program per SM, or further where that leaves part of the GPU idle
+    (``configs.sparse_mla.wave_filling_splits``).
     """
     bh, bn, _ = _plan_default(h_q)
     bh, bn = block_h or bh, block_n or bn
     st = stages or _plan_default(bh)[2]
-    splits, per = one_wave_splits(B * s_q, triton.cdiv(h_q, bh), topk, bn, num_sms, num_splits)
+    splits, per = wave_filling_splits(B * s_q, triton.cdiv(h_q, bh), topk, bn, num_sms, num_splits)
     return bh, bn, st, splits, per
 
 

@@ -22,10 +22,11 @@ neighbours in the launch order, so the second one finds the gathered rows in L2)
 - the loader and the compute warps meet on ``full`` (``cp.async`` arrivals) / ``empty`` mbarriers of
   the two staging buffers (and ``kfree`` / ``kready`` for the key buffer with ``LOADER_DQ``).
 
-The top-k list is split over programs until they make one wave of one program per SM (the rule of
-``configs.sparse_mla.decode_num_splits``); the splits write normalised fp32 partial outputs and base-2
-lse that ``_sparse_mla_decode_merge_kernel`` combines. With one split the kernel writes the final bf16
-``out``, the natural-log ``lse`` (``+inf`` for a row without a valid key) and applies ``attn_sink``.
+The top-k list is split over programs until they make one wave of one program per SM, or further where
+that leaves part of the GPU idle (``configs.sparse_mla.wave_filling_splits``); the splits write normalised
+fp32 partial outputs and base-2 lse that ``_sparse_mla_decode_merge_kernel`` combines. With one split the
+kernel writes the final bf16 ``out``, the natural-log ``lse`` (``+inf`` for a row without a valid key) and
+applies ``attn_sink``.
 
 H200 (topk 2048, page 64, same process, CUDA graphs; bench/results/h200/tuning/sparse_mla_decode_ws.md):
 h_q 128: B 128 246.0 / 489.0 us (s_q 1 / 2), B 32 74.9 / 128.4 us: 0.72-0.84x FlashMLA (the ``tl``
@@ -50,7 +51,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from nsa_backend.configs.sparse_mla import one_wave_splits
+from nsa_backend.configs.sparse_mla import wave_filling_splits
 from nsa_backend.kernels._arch import device_sms
 from nsa_backend.kernels._gluon import gluon_importable
 from nsa_backend.kernels._launch import cached_launcher
@@ -384,9 +385,10 @@ def plan(B: int, s_q: int, h_q: int, topk: int, num_sms: int,
     """``(num_splits, keys_per_split)``: a function of the shapes only.
 
     One program fills an SM's shared memory, so the top-k list is split until the programs of all
-    rows and head blocks make one wave of one program per SM.
+    rows and head blocks make one wave of one program per SM, or further where that leaves part of the
+    GPU idle (``configs.sparse_mla.wave_filling_splits``).
     """
-    return one_wave_splits(B * s_q, triton.cdiv(h_q, BLOCK_H), topk, BLOCK_N, num_sms, num_splits)
+    return wave_filling_splits(B * s_q, triton.cdiv(h_q, BLOCK_H), topk, BLOCK_N, num_sms, num_splits)
 
 
 def _constexprs(split: bool, has_sink: bool, has_topk_len: bool, pow2_scales: bool = False, **overrides) -> dict:
