@@ -40,7 +40,8 @@ With ``POW2_SCALES`` (``kv_scale_format="pow2"``) both partitions convert with t
 the same keys): 1-2 % faster at 32 / 64 / 128 heads.
 Tried without gain: converting the next tile's first groups while the ``P V`` MMA runs (a rotated
 loop; leaving the ``P V`` MMA in flight across the loop's back edge instead makes ptxas serialise every
-wgmma), other split counts than one wave.
+wgmma), other split counts than one wave at B 32 (where one wave leaves SMs idle, more splits gain:
+``wave_filling_splits``).
 
 Shared memory: ``q`` 72 KiB + key buffer 64 KiB + two staging buffers of 41 KiB (latent 32, rope 8,
 scales 1) + ``P`` 8 KiB = 226 KiB (sm_90 allows 227).
