@@ -20,6 +20,7 @@ rows for the FP8 cache) and an fp32 accumulator of ``block_h x 512``. The tables
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from nsa_backend.configs import (  # noqa: F401 (budget names stay part of this module's API)
@@ -264,6 +265,9 @@ SPLIT_COST_TILES_PER_WAVE = 3
 SPLIT_MIN_GAIN = 0.10
 
 
+# Called by every decode launch; the search over up to MAX_SPLITS counts takes tens of microseconds of host time,
+# so the plans of the shapes seen are kept (a function of its integer arguments only).
+@functools.lru_cache(maxsize=1024)
 def wave_filling_splits(rows: int, head_blocks: int, topk: int, block_n: int, num_sms: int,
                         num_splits: int | None = None) -> tuple[int, int]:
     """``(num_splits, keys_per_split)`` for kernels whose program fills an SM's shared memory, by the tiles on the
